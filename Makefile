@@ -1,0 +1,42 @@
+# Two commands do all set-up on a fresh machine:
+#   make test    venv + torch + build (CUDA kernels compiled when nvcc is found) + test suite
+#   make bench   venv + torch + build + kernel benchmark
+# Inside an existing environment (e.g. a GPU machine with torch, no network):
+#   pip install --no-build-isolation -e . && pytest
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.14.1
+PY := $(VENV)/bin/python
+# A non-wrapper nvcc for torch's build (setup.py also defaults this).
+export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
+
+DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
+BUILD_STAMP := .stamp-build
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*) $(wildcard relu_ext/*.py)
+
+.PHONY: test bench build deps clean
+
+test: $(BUILD_STAMP)
+	$(PY) -m pytest tests
+
+bench: $(BUILD_STAMP)
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+build: $(BUILD_STAMP)
+
+deps: $(DEPS_STAMP)
+
+$(DEPS_STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) ninja numpy pytest hypothesis
+	touch $@
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -c "import relu_ext; print('relu_ext build:', relu_ext.build_info())"
+	touch $@
+
+clean:
+	rm -rf build *.egg-info relu_ext/*.so $(BUILD_STAMP)

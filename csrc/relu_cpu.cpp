@@ -1,0 +1,241 @@
+// CPU kernels. One template per integer width serves all float formats (see
+// relu.h). The instruction set is chosen at run time (AVX2 or portable C++),
+// so one binary runs on any x86-64 CPU; no -march flag is needed or wanted.
+// There is no AVX-512 path: no machine this project builds and tests on has
+// AVX-512, so it could not be verified, and AVX2 already streams at memory
+// bandwidth (bench/).
+#include "relu.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define RELU_X86 1
+#include <immintrin.h>
+#define RELU_AVX2 __attribute__((target("avx2")))
+#endif
+
+namespace relu_ext {
+namespace {
+
+// Elements per 64-bit mask word; threads split the tensor on these blocks so
+// no two threads ever write the same mask byte.
+constexpr int64_t kBlock = 64;
+// Blocks per task: 32K elements, ATen's usual grain for cheap element-wise ops.
+constexpr int64_t kGrainBlocks = 512;
+
+// Portable path; also finishes the last, partial block of the vector paths.
+// `begin` is a multiple of kBlock.
+template <typename U, U kInf>
+void fwd_scalar(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
+  for (int64_t i0 = begin; i0 < end; i0 += kBlock) {
+    const int64_t m = std::min(kBlock, end - i0);
+    uint64_t word = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const U b = x[i0 + j];
+      const bool keep = relu_keep<U, kInf>(b);
+      word |= uint64_t(keep) << j;
+      y[i0 + j] = relu_value(b, keep);
+    }
+    if (mask) std::memcpy(mask + i0 / 8, &word, (m + 7) / 8);  // little-endian: bit k -> byte k/8
+  }
+}
+
+template <typename U>
+void bwd_scalar(const U* g, const uint8_t* mask, U* out, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    out[i] = ((mask[i >> 3] >> (i & 7)) & 1) ? g[i] : U(0);
+  }
+}
+
+#ifdef RELU_X86
+
+// AVX2: compares yield all-ones lanes; movemask packs them to bits, and
+// `expand` turns mask bits back into lanes.
+template <typename U>
+struct Avx2;
+
+template <>
+struct Avx2<uint16_t> {
+  static constexpr int kLanes = 16;
+  RELU_AVX2 static __m256i set1(uint16_t v) { return _mm256_set1_epi16(static_cast<short>(v)); }
+  RELU_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi16(a, b); }
+  RELU_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi16(a, b); }
+  RELU_AVX2 static uint32_t bits(__m256i k) {
+    // Saturating pack keeps 0 / -1 per lane and puts the 16 lanes in order.
+    const __m128i packed = _mm_packs_epi16(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+    return static_cast<uint32_t>(_mm_movemask_epi8(packed));
+  }
+  RELU_AVX2 static __m256i expand(uint32_t bits) {
+    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                          8192, 16384, static_cast<short>(0x8000));
+    return _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<short>(bits)), sel), sel);
+  }
+};
+
+template <>
+struct Avx2<uint32_t> {
+  static constexpr int kLanes = 8;
+  RELU_AVX2 static __m256i set1(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
+  RELU_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi32(a, b); }
+  RELU_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi32(a, b); }
+  RELU_AVX2 static uint32_t bits(__m256i k) {
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(k)));
+  }
+  RELU_AVX2 static __m256i expand(uint32_t bits) {
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits & 0xFF)), sel), sel);
+  }
+};
+
+template <>
+struct Avx2<uint64_t> {
+  static constexpr int kLanes = 4;
+  RELU_AVX2 static __m256i set1(uint64_t v) { return _mm256_set1_epi64x(static_cast<long long>(v)); }
+  RELU_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi64(a, b); }
+  RELU_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi64(a, b); }
+  RELU_AVX2 static uint32_t bits(__m256i k) {
+    return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(k)));
+  }
+  RELU_AVX2 static __m256i expand(uint32_t bits) {
+    const __m256i sel = _mm256_setr_epi64x(1, 2, 4, 8);
+    return _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(bits & 0xF), sel), sel);
+  }
+};
+
+template <typename U, U kInf>
+RELU_AVX2 void fwd_avx2(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
+  using T = Avx2<U>;
+  constexpr int L = T::kLanes;
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i abs = T::set1(Bits<U>::kAbs);
+  const __m256i inf = T::set1(kInf);
+  const __m256i sign = T::set1(Bits<U>::kSign);
+  int64_t i0 = begin;
+  for (; i0 + kBlock <= end; i0 += kBlock) {
+    uint64_t word = 0;
+    for (int v = 0; v < kBlock / L; ++v) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i0 + v * L));
+      const __m256i keep = _mm256_or_si256(T::gt(b, zero), T::gt(_mm256_and_si256(b, abs), inf));
+      const __m256i out = _mm256_and_si256(b, _mm256_or_si256(keep, T::eq(b, sign)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i0 + v * L), out);
+      word |= uint64_t(T::bits(keep)) << (v * L);
+    }
+    if (mask) std::memcpy(mask + i0 / 8, &word, 8);
+  }
+  fwd_scalar<U, kInf>(x, y, mask, i0, end);
+}
+
+template <typename U>
+RELU_AVX2 void bwd_avx2(const U* g, const uint8_t* mask, U* out, int64_t begin, int64_t end) {
+  using T = Avx2<U>;
+  constexpr int L = T::kLanes;
+  int64_t i0 = begin;
+  for (; i0 + kBlock <= end; i0 += kBlock) {
+    uint64_t word;
+    std::memcpy(&word, mask + i0 / 8, 8);
+    for (int v = 0; v < kBlock / L; ++v) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i0 + v * L));
+      const __m256i lanes = T::expand(static_cast<uint32_t>(word >> (v * L)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i0 + v * L), _mm256_and_si256(b, lanes));
+    }
+  }
+  bwd_scalar(g, mask, out, i0, end);
+}
+
+#endif  // RELU_X86
+
+enum Isa : int { kScalar = 0, kAvx2 = 1 };
+const char* const kIsaNames[] = {"scalar", "avx2"};
+
+int best_isa() {
+#ifdef RELU_X86
+  // libgcc / compiler-rt also check that the OS saves the YMM registers.
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+int parse_isa(const std::string& name) {
+  if (name == "auto") return best_isa();
+  for (int i = 0; i <= kAvx2; ++i) {
+    if (name == kIsaNames[i]) {
+      TORCH_CHECK(i <= best_isa(), "relu_ext: this CPU does not support the '", name,
+                  "' kernels; the best it supports is '", kIsaNames[best_isa()], "'");
+      return i;
+    }
+  }
+  TORCH_CHECK(false, "relu_ext: unknown CPU kernel set '", name, "'; choose auto, scalar or avx2");
+}
+
+// RELU_EXT_CPU_ISA may lower the choice (for testing or comparison); an invalid
+// value is reported at the first kernel call rather than at import.
+std::atomic<int>& isa_choice() {
+  static std::atomic<int> choice{[] {
+    const char* env = std::getenv("RELU_EXT_CPU_ISA");
+    return env && *env ? parse_isa(env) : best_isa();
+  }()};
+  return choice;
+}
+
+template <typename U, U kInf>
+using FwdFn = void (*)(const U*, U*, uint8_t*, int64_t, int64_t);
+template <typename U>
+using BwdFn = void (*)(const U*, const uint8_t*, U*, int64_t, int64_t);
+
+template <typename U, U kInf>
+FwdFn<U, kInf> pick_fwd() {
+#ifdef RELU_X86
+  if (isa_choice().load() == kAvx2) return &fwd_avx2<U, kInf>;
+#endif
+  return &fwd_scalar<U, kInf>;
+}
+
+template <typename U>
+BwdFn<U> pick_bwd() {
+#ifdef RELU_X86
+  if (isa_choice().load() == kAvx2) return &bwd_avx2<U>;
+#endif
+  return &bwd_scalar<U>;
+}
+
+// Splits [0, n) on kBlock boundaries over ATen's intra-op thread pool.
+template <typename Fn>
+void parallel_blocks(int64_t n, Fn&& fn) {
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    fn(b0 * kBlock, std::min(b1 * kBlock, n));
+  });
+}
+
+}  // namespace
+
+void forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
+  dispatch_bits(x.scalar_type(), [&](auto fmt) {
+    using U = typename decltype(fmt)::U;
+    const auto kernel = pick_fwd<U, decltype(fmt)::kInf>();
+    const U* xp = static_cast<const U*>(x.const_data_ptr());
+    U* yp = static_cast<U*>(y.data_ptr());
+    parallel_blocks(x.numel(), [&](int64_t begin, int64_t end) { kernel(xp, yp, mask, begin, end); });
+  });
+}
+
+void backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in) {
+  dispatch_bits(grad.scalar_type(), [&](auto fmt) {
+    using U = typename decltype(fmt)::U;
+    const auto kernel = pick_bwd<U>();
+    const U* gp = static_cast<const U*>(grad.const_data_ptr());
+    U* op = static_cast<U*>(grad_in.data_ptr());
+    parallel_blocks(grad.numel(), [&](int64_t begin, int64_t end) { kernel(gp, mask, op, begin, end); });
+  });
+}
+
+const char* cpu_isa() { return kIsaNames[isa_choice().load()]; }
+
+void set_cpu_isa(const std::string& name) { isa_choice().store(parse_isa(name)); }
+
+}  // namespace relu_ext

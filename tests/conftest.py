@@ -1,0 +1,112 @@
+"""Shared helpers: bitwise comparison, adversarial data, device / CPU-ISA parametrization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relu_ext
+from relu_ext import _C
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+SIZES = [0, 1, 31, 33, 1023, 4097, 1_000_003]
+
+HAS_GPU = torch.cuda.is_available()
+# CUDA runs wherever a GPU is visible, whether or not this build has CUDA
+# kernels: a build that lacks them then fails instead of skipping.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU visible"))]
+
+
+def _supported_isas() -> list[str]:
+    previous = _C.cpu_isa()
+    _C.set_cpu_isa("auto")
+    best = _C.cpu_isa()
+    _C.set_cpu_isa(previous)
+    return ["scalar", "avx2"] if best == "avx2" else ["scalar"]
+
+
+CPU_ISAS = _supported_isas()
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request):
+    """Runs a test once per CPU kernel set this machine supports."""
+    previous = _C.cpu_isa()
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(previous)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(INT_OF[t.dtype])
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Equal bit for bit (so NaN payloads and the sign of zero count).
+
+    One exception, PyTorch's own: its CPU float16 / bfloat16 kernels go through
+    float32 in their vectorized body, which rewrites NaN payloads there (fp16:
+    signalling NaNs are quieted; bf16: every NaN becomes 0xFFFF) but not in the
+    scalar tail. So there a NaN only has to meet a NaN; relu_ext itself keeps
+    every NaN's bits (tested separately), as PyTorch's CUDA kernel does.
+    """
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.device == expected.device, f"{what}: device {actual.device} != {expected.device}"
+    a, e = bits(actual), bits(expected)
+    if expected.dtype in (torch.float16, torch.bfloat16) and expected.device.type == "cpu":
+        both_nan = actual.detach().isnan() & expected.detach().isnan()
+        a, e = a.masked_fill(both_nan.contiguous(), 0), e.masked_fill(both_nan.contiguous(), 0)
+    diff = (a != e).flatten().nonzero()
+    if diff.numel():
+        i = diff[0].item()
+        raise AssertionError(
+            f"{what}: {diff.numel()} of {a.numel()} elements differ; first at flat index {i}: "
+            f"got {actual.detach().flatten()[i].item()!r} (bits {a.flatten()[i].item():#x}), "
+            f"want {expected.detach().flatten()[i].item()!r} (bits {e.flatten()[i].item():#x})"
+        )
+
+
+def adversarial(n: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.Tensor:
+    """Random values of every kind: normals, raw random bit patterns (all NaN
+    payloads, denormals, infinities of both signs), and explicit ±0, ±inf, NaN,
+    ±denormal, ±max and ±tiny at random positions."""
+    g = torch.Generator().manual_seed(seed)
+    it = INT_OF[dtype]
+    info = torch.finfo(dtype)
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    width = torch.iinfo(it).bits
+    raw = torch.randint(-(2 ** (width - 1)), 2 ** (width - 1) - 1, (n,), generator=g, dtype=torch.int64).to(it).view(dtype)
+    pick = torch.randint(0, 3, (n,), generator=g)
+    x = torch.where(pick == 1, raw, x)
+    specials = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), info.max, -info.max,
+         info.tiny, -info.tiny, info.smallest_normal / 4, -info.smallest_normal / 4, 1.0, -1.0],
+        dtype=dtype,
+    )
+    which = torch.randint(0, len(specials), (n,), generator=g)
+    x = torch.where(pick == 2, specials[which], x)
+    return x.to(device)
+
+
+def layouts(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of the same kind of data in the layouts a model produces."""
+    n = x.numel()
+    out = {"contiguous": x}
+    if n >= 2:
+        out["offset"] = x[1:]  # storage offset: misaligned for vector loads
+    if n >= 8:
+        m = (n // 4) * 4
+        out["transposed"] = x[:m].view(4, m // 4).t()
+        out["strided"] = x[::2]
+    if n >= 24:
+        m = (n // 24) * 24
+        out["channels_last"] = x[:m].view(2, 3, 2, m // 12).contiguous(memory_format=torch.channels_last)
+        out["permuted_slice"] = x[:m].view(2, 3, 2, m // 12).permute(0, 2, 3, 1)[:, :, ::2]
+    return out
+
+
+@pytest.fixture
+def ext():
+    return relu_ext
