@@ -15,10 +15,19 @@ DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*) $(wildcard relu_ext/*.py)
 
-.PHONY: test bench build deps clean
+.PHONY: test test-cpu-only bench build deps clean
 
 test: $(BUILD_STAMP)
 	$(PY) -m pytest tests
+
+# A RELU_EXT_FORCE_CPU=1 build, made in a scratch copy so the main build stays,
+# must import and pass the CPU tests (its own test asserts it has no CUDA kernels).
+test-cpu-only: $(DEPS_STAMP)
+	rm -rf build/cpu-only && mkdir -p build/cpu-only
+	git ls-files -z | xargs -0 cp --parents -t build/cpu-only
+	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 $(abspath $(PY)) setup.py -q build_ext --inplace
+	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/cpu-only) $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
+		tests/test_exact.py tests/test_examples_and_errors.py
 
 bench: $(BUILD_STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)
