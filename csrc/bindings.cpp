@@ -53,21 +53,22 @@ void run_backward(const at::Tensor& grad, const uint8_t* mask, const at::Tensor&
   backward_cpu(grad, mask, grad_in);
 }
 
-at::Tensor relu(const at::Tensor& x) {
-  check_input(x, "relu_ext::relu", "x");
+at::Tensor forward_new(const at::Tensor& x, uint8_t* mask) {
   const at::Tensor xd = dense(x);
   at::Tensor y = at::empty_like(xd);
-  run_forward(xd, y, nullptr);
+  run_forward(xd, y, mask);
   return y;
+}
+
+at::Tensor relu(const at::Tensor& x) {
+  check_input(x, "relu_ext::relu", "x");
+  return forward_new(x, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> relu_fwd(const at::Tensor& x) {
   check_input(x, "relu_ext::relu_fwd", "x");
-  const at::Tensor xd = dense(x);
-  at::Tensor y = at::empty_like(xd);
   at::Tensor mask = new_mask(x);
-  run_forward(xd, y, mask.data_ptr<uint8_t>());
-  return {y, mask};
+  return {forward_new(x, mask.data_ptr<uint8_t>()), mask};
 }
 
 void forward_inplace(at::Tensor& x, uint8_t* mask) {

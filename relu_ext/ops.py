@@ -93,6 +93,12 @@ def _like_strides(t: Tensor, stride: Sequence[int]) -> Tensor:
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
+def _grad_from_mask(ctx: Any, grad: Tensor) -> Tensor:
+    """Backward of every mask-saving path: ``ctx`` holds the mask and the strides it follows."""
+    (mask,) = ctx.saved_tensors
+    return _ops.relu_bwd(_like_strides(grad, ctx.stride), mask)
+
+
 def _mask_order_strides(x: Tensor) -> tuple[int, ...]:
     """Strides whose memory order the mask of an op on ``x`` follows (see dense() in bindings.cpp)."""
     return tuple(torch.empty_like(x, device="meta").stride())
@@ -106,8 +112,7 @@ def _fwd_setup_context(ctx: Any, inputs: tuple[Tensor], output: tuple[Tensor, Te
 
 
 def _fwd_backward(ctx: Any, grad_y: Tensor, grad_mask: Tensor | None) -> Tensor:
-    (mask,) = ctx.saved_tensors
-    return _ops.relu_bwd(_like_strides(grad_y, ctx.stride), mask)
+    return _grad_from_mask(ctx, grad_y)
 
 
 torch.library.register_autograd("relu_ext::relu_fwd", _fwd_backward, setup_context=_fwd_setup_context)
@@ -121,8 +126,7 @@ def _bwd_setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) 
 
 
 def _bwd_backward(ctx: Any, grad_grad_in: Tensor) -> tuple[Tensor, None]:
-    (mask,) = ctx.saved_tensors
-    return _ops.relu_bwd(_like_strides(grad_grad_in, ctx.stride), mask), None
+    return _grad_from_mask(ctx, grad_grad_in), None
 
 
 torch.library.register_autograd("relu_ext::relu_bwd", _bwd_backward, setup_context=_bwd_setup_context)
@@ -141,8 +145,7 @@ class _ReLUInplace(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> Tensor:
-        (mask,) = ctx.saved_tensors
-        return _ops.relu_bwd(_like_strides(grad_y, ctx.stride), mask)
+        return _grad_from_mask(ctx, grad_y)
 
 
 def _check(input: Tensor) -> None:
