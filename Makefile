@@ -15,19 +15,40 @@ DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*) $(wildcard relu_ext/*.py)
 
-.PHONY: test test-cpu-only bench build deps clean
+.PHONY: test test-cpu-only test-sanitize bench build deps clean
 
 test: $(BUILD_STAMP)
 	$(PY) -m pytest tests
 
-# A RELU_EXT_FORCE_CPU=1 build, made in a scratch copy so the main build stays,
-# must import and pass the CPU tests (its own test asserts it has no CUDA kernels).
+# Builds the tracked sources in a scratch copy, so the main build stays.
+# $(1): folder under build/, $(2): environment for the build.
+define scratch_build
+	rm -rf build/$(1) && mkdir -p build/$(1)
+	git ls-files -z | xargs -0 cp --parents -t build/$(1)
+	cd build/$(1) && $(2) $(abspath $(PY)) setup.py -q build_ext --inplace
+endef
+SCRATCH_PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider
+
+# A RELU_EXT_FORCE_CPU=1 build must import and pass the CPU tests
+# (its own test asserts it has no CUDA kernels).
 test-cpu-only: $(DEPS_STAMP)
-	rm -rf build/cpu-only && mkdir -p build/cpu-only
-	git ls-files -z | xargs -0 cp --parents -t build/cpu-only
-	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 $(abspath $(PY)) setup.py -q build_ext --inplace
-	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/cpu-only) $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
+	$(call scratch_build,cpu-only,RELU_EXT_FORCE_CPU=1)
+	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/cpu-only) $(SCRATCH_PYTEST) \
 		tests/test_exact.py tests/test_examples_and_errors.py
+
+# The CPU kernels and bindings built with AddressSanitizer and
+# UndefinedBehaviorSanitizer (aborting on the first report), under the whole
+# CPU test suite. python and torch are not instrumented, so the ASan runtime is
+# preloaded, with libstdc++ beside it (else ASan's __cxa_throw interceptor
+# finds no real __cxa_throw and aborts at the first C++ exception). Leak
+# checking is off: CPython frees little at exit by design.
+SAN_CXX ?= $(or $(CXX),c++)
+SAN_PRELOAD = $(shell $(SAN_CXX) -print-file-name=libasan.so) $(shell $(SAN_CXX) -print-file-name=libstdc++.so)
+test-sanitize: $(DEPS_STAMP)
+	$(call scratch_build,sanitize,RELU_EXT_SANITIZE=1)
+	cd build/sanitize && RELU_EXT_SANITIZE=1 RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/sanitize) \
+		LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(SCRATCH_PYTEST) tests
 
 bench: $(BUILD_STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)

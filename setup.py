@@ -3,6 +3,8 @@
 Builds a CUDAExtension when torch has CUDA and nvcc is found, else a
 CppExtension. Environment:
   RELU_EXT_FORCE_CPU=1   build the CPU kernels only
+  RELU_EXT_SANITIZE=1    CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer
+                         (implies FORCE_CPU; run with LD_PRELOAD=libasan, see Makefile)
   CUDA_HOME              CUDA toolkit (default: /usr/local/cuda when it has nvcc)
   TORCH_CUDA_ARCH_LIST   GPU archs (default: the visible GPUs', else "9.0")
   MAX_JOBS               parallel compile jobs (honoured by torch's ninja build)
@@ -31,8 +33,11 @@ except ImportError:
     )
 
 
+SANITIZE = os.environ.get("RELU_EXT_SANITIZE", "0") == "1"
+
+
 def want_cuda() -> bool:
-    if os.environ.get("RELU_EXT_FORCE_CPU", "0") == "1":
+    if os.environ.get("RELU_EXT_FORCE_CPU", "0") == "1" or SANITIZE:
         return False
     if torch.version.cuda is None:
         print("relu_ext: this torch has no CUDA; building CPU kernels only")
@@ -61,6 +66,12 @@ def extension():
         # resolves to the copy torch has already loaded.
         cxx.append("-fopenmp")
         link.append("-fopenmp")
+    if SANITIZE:
+        # -O1 keeps the vector kernels (target attributes) while staying debuggable;
+        # no recovery, so any UB report fails the process.
+        san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+        cxx = ["-O1", "-g1"] + san + cxx[2:]
+        link = san + link
     if not want_cuda():
         return CppExtension("relu_ext._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
     arch = cuda_arch_list()

@@ -149,6 +149,15 @@ def test_cuda_compiled_where_nvcc_exists():
     assert _C.with_cuda, "nvcc and a CUDA torch are here, yet the CUDA kernels were not compiled"
 
 
+def test_sanitizer_build_is_what_it_says():
+    """make test-sanitize must run instrumented kernels: a plain build there
+    would pass every test and check nothing."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    instrumented = "libasan" in maps and "libubsan" in maps  # libubsan comes only from _C
+    assert instrumented == (os.environ.get("RELU_EXT_SANITIZE") == "1")
+
+
 def test_build_info():
     info = relu_ext.build_info()
     assert info["cpu_isa"] in ("avx2", "scalar") and info["torch"] == torch.__version__
