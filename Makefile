@@ -11,7 +11,8 @@ PY := $(VENV)/bin/python
 # A non-wrapper nvcc for torch's build (setup.py also defaults this).
 export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 
-DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
+DEPS := torch==$(TORCH_VERSION) ninja numpy pytest hypothesis matplotlib
+DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*) $(wildcard relu_ext/*.py)
 
@@ -51,7 +52,7 @@ test-sanitize: $(DEPS_STAMP)
 		$(SCRATCH_PYTEST) tests
 
 bench: $(BUILD_STAMP)
-	$(PY) bench/run.py $(BENCH_ARGS)
+	$(PY) -m relu_ext.bench --out bench/results $(BENCH_ARGS)
 
 build: $(BUILD_STAMP)
 
@@ -60,7 +61,7 @@ deps: $(DEPS_STAMP)
 $(DEPS_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q torch==$(TORCH_VERSION) ninja numpy pytest hypothesis
+	$(PY) -m pip install -q $(DEPS)
 	touch $@
 
 $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
