@@ -539,33 +539,29 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _grid(rows: list[dict[str, Any]], title: str, lead: Callable[[dict[str, Any]], str], lead_head: str, width: int,
+          cell: Callable[[dict[str, Any]], str]) -> list[str]:
+    """A table with one line per row and one column per implementation present."""
+    if not rows:
+        return []
+    impls = [i for i in IMPLS if any(i in r["results"] for r in rows)]
+    head = f"{'dtype':9} {'numel':>6} {lead_head}" + " ".join(f"{i:>{width}}" for i in impls)
+    lines = ["", title, head, "-" * len(head)]
+    for r in rows:
+        cells = [cell(r["results"][i]).rjust(width) if i in r["results"] else " " * width for i in impls]
+        lines.append(f"{r['dtype']:9} {_size(r['numel']):>6} {lead(r)}" + " ".join(cells))
+    return lines
+
+
 def format_tables(result: dict[str, Any]) -> str:
     env = result["environment"]
     lines = [f"relu_ext benchmark: {env.get('gpu') or env['cpu']} ({env['device']}), torch {env['torch']}, "
              f"{env['threads']} CPU threads, CPU kernels {env['relu_ext']['cpu_isa']}, {env['date']}"]
-    kernels = [r for r in result.get("kernels", [])]
-    if kernels:
-        impls = [i for i in IMPLS if any(i in r["results"] for r in kernels)]
-        lines += ["", "kernels: GB/s (fraction of copy) [time vs torch, <1 faster]"]
-        head = f"{'dtype':9} {'numel':>6} {'case':12} {'copy':>6} " + " ".join(f"{i:>22}" for i in impls)
-        lines += [head, "-" * len(head)]
-        for r in kernels:
-            cells = []
-            for i in impls:
-                c = r["results"].get(i)
-                cells.append(f"{'':>22}" if c is None else
-                             f"{c['gbs']:7.1f} ({c['of_copy']:4.0%}) [{c['vs_torch']:4.2f}]".rjust(22))
-            lines.append(f"{r['dtype']:9} {_size(r['numel']):>6} {r['case']:12} {r['copy_gbs']:6.1f} " + " ".join(cells))
-    small = result.get("small", [])
-    if small:
-        impls = [i for i in IMPLS if any(i in r["results"] for r in small)]
-        lines += ["", "small tensors, fwd+bwd per call: microseconds [time vs torch]"]
-        head = f"{'dtype':9} {'numel':>6} " + " ".join(f"{i:>17}" for i in impls)
-        lines += [head, "-" * len(head)]
-        for r in small:
-            cells = [f"{r['results'][i]['median_s'] * 1e6:8.1f} [{r['results'][i]['vs_torch']:4.2f}]".rjust(17)
-                     if i in r["results"] else " " * 17 for i in impls]
-            lines.append(f"{r['dtype']:9} {_size(r['numel']):>6} " + " ".join(cells))
+    lines += _grid(result.get("kernels", []), "kernels: GB/s (fraction of copy) [time vs torch, <1 faster]",
+                   lambda r: f"{r['case']:12} {r['copy_gbs']:6.1f} ", f"{'case':12} {'copy':>6} ", 22,
+                   lambda c: f"{c['gbs']:7.1f} ({c['of_copy']:4.0%}) [{c['vs_torch']:4.2f}]")
+    lines += _grid(result.get("small", []), "small tensors, fwd+bwd per call: microseconds [time vs torch]",
+                   lambda r: "", "", 17, lambda c: f"{c['median_s'] * 1e6:8.1f} [{c['vs_torch']:4.2f}]")
     memory = result.get("memory")
     if memory:
         lines += ["", "memory saved for backward, bytes per element of one activation"]
