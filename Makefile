@@ -47,7 +47,7 @@ SAN_CXX ?= $(or $(CXX),c++)
 SAN_PRELOAD = $(shell $(SAN_CXX) -print-file-name=libasan.so) $(shell $(SAN_CXX) -print-file-name=libstdc++.so)
 test-sanitize: $(DEPS_STAMP)
 	$(call scratch_build,sanitize,RELU_EXT_SANITIZE=1)
-	cd build/sanitize && RELU_EXT_SANITIZE=1 RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/sanitize) \
+	cd build/sanitize && RELU_EXT_SANITIZE=1 PYTHONPATH=$(abspath build/sanitize) \
 		LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
 		$(SCRATCH_PYTEST) tests
 

@@ -58,20 +58,18 @@ def cuda_arch_list() -> str:
 def extension():
     sources = ["csrc/bindings.cpp", "csrc/relu_cpu.cpp"]
     # -g0: Python's default CFLAGS carry -g, which doubles compile time.
-    cxx = ["-O3", "-g0"]
-    link = []
+    cxx, link = ["-O3", "-g0"], []
+    if SANITIZE:
+        # -O1 keeps the vector kernels (target attributes) while staying debuggable;
+        # no recovery, so any UB report fails the process.
+        san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+        cxx, link = ["-O1", "-g1"] + san, san
     if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):
         # ATen's OpenMP at::parallel_for is an inline `#pragma omp parallel`:
         # without -fopenmp it runs on one thread. At run time libgomp.so.1
         # resolves to the copy torch has already loaded.
         cxx.append("-fopenmp")
         link.append("-fopenmp")
-    if SANITIZE:
-        # -O1 keeps the vector kernels (target attributes) while staying debuggable;
-        # no recovery, so any UB report fails the process.
-        san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
-        cxx = ["-O1", "-g1"] + san + cxx[2:]
-        link = san + link
     if not want_cuda():
         return CppExtension("relu_ext._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
     arch = cuda_arch_list()
