@@ -11,22 +11,22 @@ PY := $(VENV)/bin/python
 # A non-wrapper nvcc for torch's build (setup.py also defaults this).
 export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 
-DEPS := torch==$(TORCH_VERSION) ninja numpy pytest hypothesis matplotlib
+DEPS := torch==$(TORCH_VERSION) ninja numpy pytest hypothesis matplotlib onnx onnxruntime onnxscript
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*) $(wildcard relu_ext/*.py)
 
-.PHONY: test test-cpu-only test-sanitize bench build deps clean
+.PHONY: test test-cpu-only test-sanitize test-torch-old bench build deps clean
 
 test: $(BUILD_STAMP)
 	$(PY) -m pytest tests
 
 # Builds the tracked sources in a scratch copy, so the main build stays.
-# $(1): folder under build/, $(2): environment for the build.
+# $(1): folder under build/, $(2): environment for the build, $(3): python (default: the venv's).
 define scratch_build
 	rm -rf build/$(1) && mkdir -p build/$(1)
 	git ls-files -z | xargs -0 cp --parents -t build/$(1)
-	cd build/$(1) && $(2) $(abspath $(PY)) setup.py -q build_ext --inplace
+	cd build/$(1) && $(2) $(abspath $(or $(3),$(PY))) setup.py -q build_ext --inplace
 endef
 SCRATCH_PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider
 
@@ -50,6 +50,22 @@ test-sanitize: $(DEPS_STAMP)
 	cd build/sanitize && RELU_EXT_SANITIZE=1 PYTHONPATH=$(abspath build/sanitize) \
 		LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
 		$(SCRATCH_PYTEST) tests
+
+# The GPU machines run torch 2.11: build against it too (with the CUDA kernels
+# where nvcc exists, as in the main build) and run the whole CPU suite there.
+OLD_TORCH ?= 2.11.0
+OLD_VENV ?= .venv-torch$(OLD_TORCH)
+OLD_PY := $(OLD_VENV)/bin/python
+OLD_STAMP := $(OLD_VENV)/.deps-$(words $(DEPS))
+$(OLD_STAMP):
+	$(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_PY) -m pip install -q --upgrade pip setuptools wheel
+	$(OLD_PY) -m pip install -q torch==$(OLD_TORCH) $(filter-out torch==%,$(DEPS))
+	touch $@
+test-torch-old: $(OLD_STAMP)
+	$(OLD_PY) -c "import torch; assert torch.__version__.startswith('$(OLD_TORCH)'), torch.__version__"
+	$(call scratch_build,torch-old,,$(OLD_PY))
+	cd build/torch-old && PYTHONPATH=$(abspath build/torch-old) $(abspath $(OLD_PY)) -m pytest -q -p no:cacheprovider tests
 
 bench: $(BUILD_STAMP)
 	$(PY) -m relu_ext.bench --out bench/results $(BENCH_ARGS)

@@ -56,7 +56,7 @@ def cuda_arch_list() -> str:
 
 
 def extension():
-    sources = ["csrc/bindings.cpp", "csrc/relu_cpu.cpp"]
+    sources = ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/module.cpp", "csrc/relu_cpu.cpp"]
     # -g0: Python's default CFLAGS carry -g, which doubles compile time.
     cxx, link = ["-O3", "-g0"], []
     if SANITIZE:

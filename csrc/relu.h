@@ -71,14 +71,18 @@ void dispatch_bits(at::ScalarType dtype, Fn&& fn) {
 }
 
 // Kernels on dense tensors, walked in memory order. `x` may alias `y` (in-place);
-// `mask` may be null (inference: no mask is written).
+// `mask` may be null (inference: no mask is written). forward_int_* is the
+// integer forward (int8/16/32/64, uint8): y = x < 0 ? 0 : x, as torch.relu;
+// integers carry no gradient, so it has no mask.
 void forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask);
+void forward_int_cpu(const at::Tensor& x, const at::Tensor& y);
 void backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in);
 const char* cpu_isa();
 void set_cpu_isa(const std::string& name);
 
 #ifdef WITH_CUDA
 void forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask);
+void forward_int_cuda(const at::Tensor& x, const at::Tensor& y);
 void backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in);
 #endif
 

@@ -8,6 +8,8 @@
 // Indices are 64-bit throughout; loops are grid-stride, so any size runs.
 #include "relu.h"
 
+#include <ATen/Dispatch.h>
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -156,6 +158,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Integers: no mask, no bit tricks; one element per thread, grid-stride.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) int_kernel(const T* x, T* y, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
+    const T v = x[i];
+    y[i] = v > T(0) ? v : T(0);  // not `v < 0`: that is always false (and warned) for uint8
+  }
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 unsigned int grid_for(int64_t threads_needed, int device) {
@@ -185,6 +197,18 @@ void forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
     } else {
       fwd_kernel<U, kInf, 1><<<grid_for(n, x.get_device()), kThreads, 0, stream>>>(xp, yp, mask, n);
     }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void forward_int_cuda(const at::Tensor& x, const at::Tensor& y) {
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_INTEGRAL_TYPES(x.scalar_type(), "relu_ext_int", [&] {
+    int_kernel<scalar_t><<<grid_for(n, x.get_device()), kThreads, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -10,7 +10,11 @@ Sections (--what):
            forward writes), bwd (from what the forward saved), fwd+bwd
            (autograd.grad) and in-place, for every implementation, plus a
            copy_ into a preallocated buffer: the bandwidth ceiling.
-  small    fwd+bwd per call at 1K-64K elements: the fixed cost of a call.
+  small    per call at 1K-64K elements, the fixed cost of a call: no-grad
+           forward and fwd+bwd (autograd.grad), of the function
+           (torch.relu / relu_ext.relu) and of the module (nn.ReLU /
+           relu_ext.ReLU); implementations interleaved in 10 short rounds (the
+           budget split among them); the median round, with the rounds' spread.
   memory   bytes saved for backward per element, and the peak memory of one
            training step of three small models, each in a fresh process.
   models   time of one training step (forward, loss, backward, SGD) of the
@@ -22,8 +26,8 @@ ReLU, CUDA only), seed (the tutorial autograd.Function: clamp, then
 grad[x < 0] = 0), relu_ext.
 
 Timing: median of repeated calls after warm-up with its 10-90% spread
-(perf_counter on CPU; triton.testing.do_bench, or CUDA events after an L2 flush,
-on GPU). GB/s counts the bytes each implementation must move at least (the
+(torch.utils.benchmark's Timer, blocks of calls, on CPU; triton.testing.do_bench, or
+CUDA events after an L2 flush, on GPU). GB/s counts the bytes each implementation must move at least (the
 relu_ext mask: 1 bit per element); "of copy" divides by the copy's GB/s from
 the same run; "vs torch" is time / torch's time for the same row (<1: faster).
 
@@ -50,12 +54,15 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils import benchmark
 
 import relu_ext
 
 ops = torch.ops.relu_ext
 IMPLS = ["torch", "torch_out", "compile", "triton", "seed", "relu_ext"]
 CASES = ["fwd", "fwd (train)", "bwd", "fwd+bwd", "in-place"]
+SMALL_CASES = ["fwd", "fwd+bwd", "module fwd", "module fwd+bwd"]
+SMALL_ROUNDS = 10
 MODELS = ["mlp", "mlp_dropout", "cnn_maxpool"]
 SECTIONS = ["kernels", "small", "memory", "models"]
 SMALL_SIZES = [2**k for k in range(10, 17)]
@@ -216,6 +223,32 @@ def kernel_cases(x: Tensor, impls: list[str]) -> dict[str, dict[str, tuple[Calla
     return {c: v for c, v in cases.items() if v}
 
 
+_MODULES = {"torch": nn.ReLU, "relu_ext": relu_ext.ReLU, "seed": SeedReLUModule}
+
+
+def small_cases(x: Tensor, impls: list[str]) -> dict[str, dict[str, tuple[Callable[[], object], int]]]:
+    """{case: {impl: (fn, bytes)}} for the per-call table: function and module,
+    no-grad forward and forward+backward."""
+    n, e = x.numel(), x.element_size()
+    fwd_bwd_bytes = {impl: 4 * n * e + 2 * ((n + 7) // 8) if impl == "relu_ext" else 5 * n * e for impl in impls}
+    g = torch.randn_like(x)
+    xg = x.detach().clone().requires_grad_()
+    cases: dict[str, dict[str, tuple[Callable[[], object], int]]] = {c: {} for c in SMALL_CASES}
+    for impl in impls:
+        if impl == "torch_out":
+            continue
+        act = _activation(impl)
+        # x needs no grad: the plain call is the no-grad forward (no no_grad() context to time).
+        # Lambdas, not partials, so that every implementation is called from Python code, as users do.
+        cases["fwd"][impl] = (lambda act=act: act(x), 2 * n * e)
+        cases["fwd+bwd"][impl] = (lambda act=act: torch.autograd.grad(act(xg), xg, g), fwd_bwd_bytes[impl])
+        if impl in _MODULES:
+            module = _MODULES[impl]()
+            cases["module fwd"][impl] = (lambda m=module: m(x), 2 * n * e)
+            cases["module fwd+bwd"][impl] = (lambda m=module: torch.autograd.grad(m(xg), xg, g), fwd_bwd_bytes[impl])
+    return cases
+
+
 # --- timing ------------------------------------------------------------------
 
 
@@ -226,18 +259,25 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 def measure(fn: Callable[[], object], device: str, repeat: int, budget_s: float) -> dict[str, float]:
-    """Median and spread of fn's time: warm-up (which also compiles), then up
-    to `repeat` samples, fewer (never under 5) once `budget_s` is spent."""
+    """Median and spread of fn's time per call.
+
+    CPU: torch.utils.benchmark's Timer, in blocks of calls about a tenth of
+    `budget_s` long (so that the clock's own cost vanishes), after a warm-up
+    that also compiles; each block is one sample: at least 5, at most
+    `repeat`, until `budget_s` is spent. (blocked_autorange would make every
+    block at least 0.2 s long.) CUDA: see _measure_cuda.
+    """
     if device == "cuda":
         return _measure_cuda(fn, repeat, budget_s)
-    for _ in range(3):
-        fn()
+    fn()
+    # Timer runs on 1 thread unless told otherwise; measure with the threads torch uses.
+    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    one = timer.timeit(1).median
+    number = max(1, int(budget_s / 10 / max(one, 1e-9)))
     samples: list[float] = []
     start = time.perf_counter()
-    while len(samples) < repeat and (len(samples) < 5 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
+    while len(samples) < 5 or (len(samples) < repeat and time.perf_counter() - start < budget_s):
+        samples.append(timer.timeit(number).median)
     return _stats(samples)
 
 
@@ -297,23 +337,38 @@ def _row(numel_case: dict[str, Any], copy: dict[str, float], results: dict[str, 
 
 
 def run_kernels(device: str, dtypes: list[torch.dtype], sizes: list[int], impls: list[str], repeat: int,
-                budget_s: float, progress: Progress, section: str = "kernels", only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+                budget_s: float, progress: Progress, section: str = "kernels") -> list[dict[str, Any]]:
+    """One row per dtype, size and case. The small section runs the
+    implementations of a row interleaved, in SMALL_ROUNDS short rounds that
+    share the time budget, and reports each one's median round: load that
+    comes and goes then hits all alike, and a few microseconds can be compared."""
+    cases_of, rounds = (small_cases, SMALL_ROUNDS) if section == "small" else (kernel_cases, 1)
     rows = []
     for dtype in dtypes:
         for n in sizes:
             x = torch.randn(n, dtype=dtype, device=device)
             buf = torch.empty_like(x)
             copy = measure(lambda: buf.copy_(x), device, repeat, budget_s)
-            for case, fns in kernel_cases(x, impls).items():
-                if only and case not in only:
-                    continue
-                results = {}
-                for impl, (fn, nbytes) in fns.items():
-                    progress.step(f"{section} {_dt(dtype)} {n} {case} {impl}")
-                    results[impl] = (measure(fn, device, repeat, budget_s), nbytes)
+            for case, fns in cases_of(x, impls).items():
+                per_round: dict[str, list[dict[str, float]]] = {impl: [] for impl in fns}
+                for _ in range(rounds):
+                    for impl, (fn, _) in fns.items():
+                        progress.step(f"{section} {_dt(dtype)} {n} {case} {impl}")
+                        per_round[impl].append(measure(fn, device, repeat, budget_s / rounds))
+                results = {impl: (_of_rounds(per_round[impl]), nbytes) for impl, (_, nbytes) in fns.items()}
                 rows.append(_row({"section": section, "device": device, "dtype": _dt(dtype), "numel": n, "case": case,
                                   "copy_bytes": 2 * n * x.element_size()}, copy, results))
     return rows
+
+
+def _of_rounds(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """The median round (by its median), with the spread of the round medians."""
+    if len(rounds) == 1:
+        return rounds[0]
+    medians = sorted(r["median_s"] for r in rounds)
+    return {"median_s": statistics.median(medians), "p10_s": medians[int(0.1 * len(medians))],
+            "p90_s": medians[min(len(medians) - 1, int(0.9 * len(medians)))], "samples": len(rounds),
+            "rounds": len(rounds)}
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -560,8 +615,8 @@ def format_tables(result: dict[str, Any]) -> str:
     lines += _grid(result.get("kernels", []), "kernels: GB/s (fraction of copy) [time vs torch, <1 faster]",
                    lambda r: f"{r['case']:12} {r['copy_gbs']:6.1f} ", f"{'case':12} {'copy':>6} ", 22,
                    lambda c: f"{c['gbs']:7.1f} ({c['of_copy']:4.0%}) [{c['vs_torch']:4.2f}]")
-    lines += _grid(result.get("small", []), "small tensors, fwd+bwd per call: microseconds [time vs torch]",
-                   lambda r: "", "", 17, lambda c: f"{c['median_s'] * 1e6:8.1f} [{c['vs_torch']:4.2f}]")
+    lines += _grid(result.get("small", []), "small tensors, per call: microseconds [time vs torch, <1 faster]",
+                   lambda r: f"{r['case']:15} ", f"{'case':15} ", 17, lambda c: f"{c['median_s'] * 1e6:8.2f} [{c['vs_torch']:4.2f}]")
     memory = result.get("memory")
     if memory:
         lines += ["", "memory saved for backward, bytes per element of one activation"]
@@ -634,7 +689,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--what", default=",".join(SECTIONS), help=f"sections, from {SECTIONS}")
     p.add_argument("--impls", default=",".join(IMPLS), help="implementations (triton: CUDA only)")
     p.add_argument("--repeat", type=int, default=50, help="most samples per measurement")
-    p.add_argument("--budget", type=float, default=0.4, help="seconds per measurement after which sampling stops (min 5)")
+    p.add_argument("--budget", type=float, default=0.4, help="seconds per measurement (at least 5 samples)")
     p.add_argument("--quick", action="store_true", help="tiny models (for tests and smoke runs)")
     p.add_argument("--out", default=".", help="folder for NAME.json and NAME.png")
     p.add_argument("--name", help="file name stem (default: device-model-date)")
@@ -659,10 +714,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     small_sizes = [s for s in SMALL_SIZES if not args.quick or s <= 4096]
 
     per_size = sum(len(v) for v in kernel_cases(torch.zeros(8, device=args.device), impls).values())
-    small_impls = [i for i in impls if i != "torch_out"]
+    per_small = sum(len(v) for v in small_cases(torch.zeros(8, device=args.device), impls).values())
     model_impls = [i for i in ("torch", "seed", "relu_ext") if i in impls]
     total = (("kernels" in what) * len(dtypes) * len(sizes) * per_size
-             + ("small" in what) * len(small_sizes) * len(small_impls)
+             + ("small" in what) * len(small_sizes) * per_small * SMALL_ROUNDS
              + ("memory" in what) * (len(dtypes) + len(MODELS) * len(model_impls))
              + ("models" in what) * len(MODELS) * len(model_impls))
     progress = Progress(total, sys.stderr.isatty() if args.progress is None else args.progress)
@@ -673,8 +728,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "kernels" in what:
         result["kernels"] = run_kernels(args.device, dtypes, sizes, impls, args.repeat, args.budget, progress)
     if "small" in what:
-        result["small"] = run_kernels(args.device, dtypes[:1], small_sizes, small_impls, args.repeat, args.budget,
-                                      progress, section="small", only=("fwd+bwd",))
+        result["small"] = run_kernels(args.device, dtypes[:1], small_sizes, impls, args.repeat, args.budget,
+                                      progress, section="small")
     if "memory" in what:
         result["memory"] = run_memory(args.device, dtypes, impls, args.quick, progress)
     if "models" in what:

@@ -1,10 +1,11 @@
-"""Python side of the relu_ext ops: fake kernels, autograd, and the drop-in API.
+"""The drop-in API: ``relu``, ``ReLU``, ``convert``, ``revert``, and build facts.
 
-The native ops (schema in csrc/bindings.cpp) are:
+The native ops (schema in csrc/ops.cpp, autograd in csrc/autograd.cpp) are:
 
-- ``relu(x) -> y`` and ``relu_(x)``: inference, no mask is written;
-- ``relu_fwd(x) -> (y, mask)`` and ``relu_fwd_(x) -> mask``: training;
-- ``relu_bwd(grad, mask) -> grad_in``.
+- ``relu(x) -> y`` and ``relu_(x)``: the public ops. Differentiable (forward
+  and reverse mode); when a gradient is needed they write a mask, else not.
+- ``relu_fwd(x) -> (y, mask)``, ``relu_fwd_(x) -> mask`` and
+  ``relu_bwd(grad, mask) -> grad_in``: the training pieces behind them.
 
 ``mask`` holds one bit per element (``ceil(n / 8)`` uint8 bytes): bit ``k`` is
 ``!(y <= 0)`` for the ``k``-th element of ``y`` in memory order. Backward saves
@@ -13,18 +14,21 @@ only that mask, so an fp32 activation costs 1 bit instead of 32.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, registrations  # noqa: F401  (registrations: fake kernels and vmap rules)
 
 _ops = torch.ops.relu_ext
-
-# Devices this build has kernels for; "meta" runs the fake kernels (shape
-# inference, models built on the meta device).
-_KERNEL_DEVICES = frozenset({"cpu", "meta"} | ({"cuda"} if _C.with_cuda else set()))
+# Module-level names for what relu() calls each time: attribute lookups cost
+# as much as the call itself at 1K elements. TorchScript and Dynamo recognise
+# these functions by identity, so the aliases keep their special meaning.
+_is_scripting = torch.jit.is_scripting
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_has_torch_function_unary = torch._C._has_torch_function_unary
+_eager_relu = _C.relu
 
 
 def cuda_available() -> bool:
@@ -43,146 +47,23 @@ def build_info() -> dict[str, Any]:
     }
 
 
-def _mask_numel(x: Tensor) -> Any:
-    return (x.numel() + 7) // 8
 
-
-@torch.library.register_fake("relu_ext::relu")
-def _relu_fake(x: Tensor) -> Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("relu_ext::relu_")
-def _relu_inplace_fake(x: Tensor) -> None:
-    return None
-
-
-@torch.library.register_fake("relu_ext::relu_fwd")
-def _relu_fwd_fake(x: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), x.new_empty((_mask_numel(x),), dtype=torch.uint8)
-
-
-@torch.library.register_fake("relu_ext::relu_fwd_")
-def _relu_fwd_inplace_fake(x: Tensor) -> Tensor:
-    return x.new_empty((_mask_numel(x),), dtype=torch.uint8)
-
-
-@torch.library.register_fake("relu_ext::relu_bwd")
-def _relu_bwd_fake(grad: Tensor, mask: Tensor) -> Tensor:
-    torch._check(
-        grad.device == mask.device,
-        lambda: f"relu_ext::relu_bwd: grad is on {grad.device} but mask is on {mask.device}; both must be on the same device",
-    )
-    torch._check(mask.dtype == torch.uint8, lambda: f"relu_ext::relu_bwd: mask has dtype {mask.dtype}; expected uint8")
-    torch._check(
-        mask.dim() == 1 and mask.numel() == _mask_numel(grad),
-        lambda: f"relu_ext::relu_bwd: mask has shape {tuple(mask.shape)} but grad has {grad.numel()} elements",
-    )
-    return torch.empty_like(grad)
-
-
-def _like_strides(t: Tensor, stride: Sequence[int]) -> Tensor:
-    """``t`` with the given strides (a copy only when they differ).
-
-    The mask follows the forward output's memory order, so the incoming
-    gradient (e.g. an expanded one from ``.sum().backward()``) must be laid out
-    the same way before the kernel walks it.
-    """
-    if tuple(t.stride()) == tuple(stride):
-        return t
-    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-
-
-def _grad_from_mask(ctx: Any, grad: Tensor) -> Tensor:
-    """Backward of every mask-saving path: ``ctx`` holds the mask and the strides it follows."""
-    (mask,) = ctx.saved_tensors
-    return _ops.relu_bwd(_like_strides(grad, ctx.stride), mask)
-
-
-def _mask_order_strides(x: Tensor) -> tuple[int, ...]:
-    """Strides whose memory order the mask of an op on ``x`` follows (see dense() in bindings.cpp)."""
-    return tuple(torch.empty_like(x, device="meta").stride())
-
-
-# relu_fwd: save only the mask (and the output's strides, plain ints).
-def _fwd_setup_context(ctx: Any, inputs: tuple[Tensor], output: tuple[Tensor, Tensor]) -> None:
-    y, mask = output
-    ctx.save_for_backward(mask)
-    ctx.stride = tuple(y.stride())
-
-
-def _fwd_backward(ctx: Any, grad_y: Tensor, grad_mask: Tensor | None) -> Tensor:
-    return _grad_from_mask(ctx, grad_y)
-
-
-torch.library.register_autograd("relu_ext::relu_fwd", _fwd_backward, setup_context=_fwd_setup_context)
-
-
-# relu_bwd is linear in grad: its own gradient is the same masked select, which
-# makes double backward (e.g. gradient penalties) work.
-def _bwd_setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
-    ctx.save_for_backward(inputs[1])
-    ctx.stride = tuple(output.stride())
-
-
-def _bwd_backward(ctx: Any, grad_grad_in: Tensor) -> tuple[Tensor, None]:
-    return _grad_from_mask(ctx, grad_grad_in), None
-
-
-torch.library.register_autograd("relu_ext::relu_bwd", _bwd_backward, setup_context=_bwd_setup_context)
-
-
-class _ReLUInplace(torch.autograd.Function):
-    """In-place training path. register_autograd refuses mutating ops, hence a Function."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        mask = _ops.relu_fwd_(x)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(mask)
-        ctx.stride = _mask_order_strides(x)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad_y: Tensor) -> Tensor:
-        return _grad_from_mask(ctx, grad_y)
-
-
-def _check(input: Tensor) -> None:
-    if not isinstance(input, Tensor):
-        raise TypeError(f"relu_ext.relu: expected a Tensor, got {type(input).__name__}")
-    if input.layout != torch.strided:
-        raise RuntimeError(f"relu_ext.relu: input has layout {input.layout}; relu_ext supports strided (dense) tensors only")
-    if input.device.type not in _KERNEL_DEVICES:
-        hint = (
-            " This build has no CUDA kernels (torch without CUDA, no nvcc at build time, or "
-            "RELU_EXT_FORCE_CPU=1); rebuild relu_ext where nvcc is available."
-            if input.device.type == "cuda"
-            else ""
-        )
-        raise RuntimeError(
-            f"relu_ext.relu: input is on {input.device}, but this relu_ext build has kernels for "
-            f"{', '.join(sorted(_KERNEL_DEVICES - {'meta'}))} only.{hint}"
-        )
-
-
-@torch.fx.wrap
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
     """Drop-in for ``torch.nn.functional.relu``: same values, gradients and ``inplace`` semantics.
 
     When a gradient is needed, backward keeps a 1-bit-per-element mask instead of
     the output. ``inplace=True`` overwrites ``input`` (and errors on a leaf that
-    requires grad, as PyTorch does).
+    requires grad, as PyTorch does). Integer tensors work as with ``torch.relu``.
     """
-    _check(input)
-    needs_grad = torch.is_grad_enabled() and input.requires_grad
+    # Eager plain tensors go straight into C++ (_C.relu calls the same ops).
+    # TorchScript, Dynamo, tensor subclasses, __torch_function__ modes and FX
+    # proxies need the op called from Python, where they can see it.
+    if not _is_scripting():
+        if not (_is_dynamo_compiling() or _has_torch_function_unary(input)):
+            return _eager_relu(input, inplace)
     if inplace:
-        if needs_grad:
-            return _ReLUInplace.apply(input)
         _ops.relu_(input)
         return input
-    if needs_grad:
-        return _ops.relu_fwd(input)[0]
     return _ops.relu(input)
 
 
@@ -194,4 +75,39 @@ class ReLU(torch.nn.ReLU):
     """
 
     def forward(self, input: Tensor) -> Tensor:
-        return relu(input, inplace=self.inplace)
+        return relu(input, self.inplace)
+
+
+def _swap(module: torch.nn.Module, src: type, dst: type, done: dict[int, torch.nn.Module]) -> torch.nn.Module:
+    """``module`` with every submodule of type exactly ``src`` replaced by a ``dst``."""
+    if id(module) in done:
+        return done[id(module)]
+    if type(module) is src:
+        new = dst.__new__(dst)
+        new.__dict__.update(module.__dict__)  # inplace, training flag, hooks: all kept
+        done[id(module)] = new
+        return new
+    done[id(module)] = module
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            module._modules[name] = _swap(child, src, dst, done)
+    return module
+
+
+def convert(module: torch.nn.Module) -> torch.nn.Module:
+    """Replace every ``torch.nn.ReLU`` in ``module`` (type exactly ``nn.ReLU``) by ``relu_ext.ReLU``.
+
+    Works in place and returns ``module`` (or, when ``module`` itself is an
+    ``nn.ReLU``, its replacement). ``inplace`` is kept, and a ReLU used in
+    several places stays one shared module.
+    """
+    return _swap(module, torch.nn.ReLU, ReLU, {})
+
+
+def revert(module: torch.nn.Module) -> torch.nn.Module:
+    """The inverse of :func:`convert`: every ``relu_ext.ReLU`` back to ``torch.nn.ReLU``.
+
+    For tools that match ``nn.ReLU`` by type, such as quantization's
+    ``fuse_modules``.
+    """
+    return _swap(module, ReLU, torch.nn.ReLU, {})

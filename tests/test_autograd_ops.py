@@ -1,4 +1,4 @@
-"""Autograd (gradcheck, double backward, what is saved) and torch.library.opcheck on every op."""
+"""Autograd (gradcheck, double backward, what is saved, the backward node) and torch.library.opcheck on every op."""
 
 import pytest
 import torch
@@ -112,15 +112,102 @@ def test_opcheck_inplace_ops(device, dtype):
         torch.library.opcheck(ops.relu_fwd_.default, (x.clone(),))
 
 
-def test_raw_inference_ops_refuse_a_gradient():
-    """The mask-free ops have no backward: asking for one is an error, not a silent zero."""
-    x = torch.randn(10, requires_grad=True)
-    with pytest.raises(RuntimeError, match="writes no mask and has no backward"):
-        ops.relu(x)
-    with pytest.raises(RuntimeError, match="writes no mask and has no backward"):
-        ops.relu_(x * 1)
-    with torch.no_grad():
-        assert torch.equal(ops.relu(x), torch.relu(x))
+OPS = ["relu", "relu_", "relu_fwd", "relu_fwd_", "relu_bwd"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8], ids=str)
+def test_opcheck_integer_ops(device, dtype):
+    info = torch.iinfo(dtype)
+    x = torch.randint(info.min, info.max, (4097,), dtype=dtype, generator=torch.Generator().manual_seed(0)).to(device)
+    for name, v in layouts(x).items():
+        torch.library.opcheck(ops.relu.default, (v,))
+        torch.library.opcheck(ops.relu_.default, (v.clone(),))
+
+
+def test_every_op_has_an_autograd_kernel():
+    """No op of the library is silently non-differentiable."""
+    for op in OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"relu_ext::{op}", "Autograd"), op
+        table = torch._C._dispatch_dump_table(f"relu_ext::{op}")
+        for key in ("AutogradCPU", "AutogradCUDA", "AutogradMeta"):
+            line = next(line for line in table.splitlines() if line.startswith(key + ":"))
+            assert "csrc/autograd.cpp" in line, line
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_pieces_are_differentiable(device):
+    """Called directly, relu_fwd / relu_fwd_ differentiate through y (the
+    mask is not differentiable) and relu_bwd through grad: gradcheck and
+    gradgradcheck, and the same gradients as relu."""
+    x = _away_from_kink((7, 13), device).requires_grad_()
+    g = _away_from_kink((7, 13), device, seed=1).requires_grad_()
+    mask = ops.relu_fwd(x.detach())[1]
+    assert torch.autograd.gradcheck(lambda t: ops.relu_fwd(t)[0], (x,))
+
+    def fwd_inplace(t):
+        u = t * 1
+        ops.relu_fwd_(u)
+        return u
+
+    assert torch.autograd.gradcheck(fwd_inplace, (x,))
+    assert torch.autograd.gradcheck(lambda grad: ops.relu_bwd(grad, mask), (g,))
+    assert torch.autograd.gradgradcheck(lambda t: ops.relu_fwd(t)[0], (x,))
+    y, m = ops.relu_fwd(x)
+    assert y.requires_grad and not m.requires_grad and m.grad_fn is None
+    z = x * 1
+    ops.relu_fwd_(z)
+    (gx,) = torch.autograd.grad(z, x, g.detach())
+    assert torch.equal(gx, torch.autograd.grad(torch.relu(x), x, g.detach())[0])
+
+
+def test_backward_node_is_like_relu_backward():
+    """grad_fn: a readable name, callable by hand (a scalar gradient is
+    broadcast, as ReluBackward0 does), next_functions as usual, the mask
+    readable, and released after backward."""
+    x = torch.randn(50, requires_grad=True)
+    a = x * 2
+    y, ref = relu_ext.relu(a), torch.relu(a)
+    node = y.grad_fn
+    assert type(node).__name__ == node.name() == "ReluExtBackward0"
+    assert "ReluExtBackward0" in repr(y)
+    assert node.next_functions == ref.grad_fn.next_functions and node.next_functions[0][0].name() == "MulBackward0"
+    assert torch.equal(node(torch.tensor(1.0)), ref.grad_fn(torch.tensor(1.0)))
+    g = torch.randn(50)
+    assert torch.equal(node(g), ref.grad_fn(g))
+    assert torch.equal(node._saved_mask, ops.relu_fwd(a.detach())[1])
+    y.sum().backward(retain_graph=True)  # the mask stays
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * 2 * (a > 0).float())
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        node._saved_mask
+    inplace = relu_ext.relu(x * 1, inplace=True)
+    assert inplace.grad_fn.name() == "ReluExtBackward0"
+
+
+def test_inplace_on_a_view_rebases_history():
+    """In place on a view of a non-leaf: the base's gradient goes through the
+    node (CopySlices), as for torch.relu_."""
+    grads = []
+    for act in (torch.relu_, lambda t: relu_ext.relu(t, inplace=True)):
+        x = torch.randn(6, 8, requires_grad=True, generator=torch.Generator().manual_seed(0))
+        base = x * 1
+        act(base[:, ::2])
+        base.sin().sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_inference_mode():
+    """Inference tensors skip autograd and version counting altogether."""
+    with torch.inference_mode():
+        x = torch.randn(1000)
+        y = relu_ext.relu(x)
+        z = x.clone()
+        relu_ext.relu(z, inplace=True)
+    assert torch.equal(y, torch.relu(x)) and torch.equal(z, y) and y.is_inference()
 
 
 def test_meta_device():

@@ -59,8 +59,12 @@ def test_kernel_rows_schema_and_arithmetic(result):
 
 def test_small_memory_models_sections(result):
     res = result[0]
-    assert [r["numel"] for r in res["small"]] == [1024, 2048, 4096]
-    assert all(r["case"] == "fwd+bwd" and "torch_out" not in r["results"] for r in res["small"])
+    assert [(r["numel"], r["case"]) for r in res["small"]] == [(n, c) for n in (1024, 2048, 4096) for c in bench.SMALL_CASES]
+    for r in res["small"]:
+        want = {"torch", "compile", "seed", "relu_ext"} if not r["case"].startswith("module") else {"torch", "seed", "relu_ext"}
+        assert set(r["results"]) == want, r["case"]
+        for c in r["results"].values():
+            assert math.isclose(c["vs_torch"], c["median_s"] / r["results"]["torch"]["median_s"])
     per = {r["dtype"]: r["bytes_per_element"] for r in res["memory"]["saved_per_element"]}
     # nn.ReLU keeps its output, the tutorial Function its input, relu_ext 1 bit.
     assert per["float32"]["torch"] == 4 and per["bfloat16"]["torch"] == 2
@@ -119,3 +123,11 @@ def test_triton_peer_computes_relu(monkeypatch):
 def test_bad_arguments_are_named():
     with pytest.raises(SystemExit):
         bench.main(["--impls", "torch,nope", "--no-files"])
+
+
+def test_measure_runs_with_torchs_threads():
+    """torch.utils.benchmark.Timer defaults to 1 thread; the bench must time
+    with the threads torch uses, as the user's code runs."""
+    seen = []
+    stats = bench.measure(lambda: seen.append(torch.get_num_threads()), "cpu", 5, 0.01)
+    assert stats["samples"] >= 5 and set(seen) == {torch.get_num_threads()}

@@ -7,10 +7,11 @@ import relu_ext
 from conftest import DEVICES
 
 
-def _model(device):
+def _model(device, inplace=False):
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(32, 64), relu_ext.ReLU(), torch.nn.Linear(64, 64), relu_ext.ReLU(), torch.nn.Linear(64, 4)
+        torch.nn.Linear(32, 64), relu_ext.ReLU(inplace), torch.nn.Linear(64, 64), relu_ext.ReLU(inplace),
+        torch.nn.Linear(64, 4),
     ).to(device)
 
 
@@ -27,9 +28,10 @@ def _graph_ops(gm):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compile_fullgraph_matches_eager(device, backend):
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+def test_compile_fullgraph_matches_eager(device, backend, inplace):
     torch._dynamo.reset()
-    model = _model(device)
+    model = _model(device, inplace)
     x = torch.randn(16, 32, device=device)
     eager_out, eager_grads = _run(model, x)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -39,8 +41,11 @@ def test_compile_fullgraph_matches_eager(device, backend):
         torch.testing.assert_close(g, e, rtol=0, atol=0) if backend == "aot_eager" else torch.testing.assert_close(g, e)
 
 
-def test_compiled_graph_calls_the_custom_ops():
-    """The ops stay opaque in the graph: forward saves the mask, backward calls relu_bwd."""
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+def test_compiled_graph_calls_the_custom_ops(inplace):
+    """The ops stay opaque in the graph: forward saves the mask, backward calls
+    relu_bwd. In place, functionalization turns relu_fwd_ into relu_fwd (no
+    auto_functionalized wrapper, no clone)."""
     torch._dynamo.reset()
     seen = []
 
@@ -56,7 +61,7 @@ def test_compiled_graph_calls_the_custom_ops():
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
-    model = _model("cpu")
+    model = _model("cpu", inplace)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     compiled(torch.randn(8, 32)).sum().backward()
     fw = set().union(*(ops for kind, ops in seen if kind == "fw"))
@@ -64,6 +69,7 @@ def test_compiled_graph_calls_the_custom_ops():
     assert "relu_ext.relu_fwd.default" in fw, fw
     assert "relu_ext.relu_bwd.default" in bw, bw
     assert not any("threshold_backward" in op for op in bw)
+    assert not any("auto_functionalized" in op or "clone" in op for op in fw | bw), fw | bw
 
 
 def test_compile_dynamic_shapes_and_no_grad():
@@ -77,9 +83,17 @@ def test_compile_dynamic_shapes_and_no_grad():
         assert torch.equal(fn(x), torch.relu(x) * 2)
 
 
-def test_fx_symbolic_trace():
-    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), relu_ext.ReLU()))
-    x = torch.randn(3, 4)
-    lin = gm.get_submodule("0")
-    assert torch.equal(gm(x), torch.relu(lin(x)))
-    assert any(n.op == "call_function" and n.target is relu_ext.relu for n in gm.graph.nodes), gm.graph
+def test_compile_inference_inplace_and_integers():
+    """No grad: the mask-free ops; relu_ on a graph input mutates it, as eager does."""
+    torch._dynamo.reset()
+
+    def fn(t, i):
+        relu_ext.relu(t, inplace=True)
+        return t * 2, relu_ext.relu(i)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="inductor")
+    x, i = torch.randn(100), torch.randint(-5, 5, (100,), dtype=torch.int32)
+    x_ref = x.clone()
+    out, out_i = compiled(x, i)
+    assert torch.equal(x, torch.relu(x_ref)) and torch.equal(out, torch.relu(x_ref) * 2)
+    assert torch.equal(out_i, torch.relu(i))

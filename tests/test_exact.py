@@ -186,3 +186,27 @@ def test_threads_do_not_change_results():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(bits(y1), bits(y2)) and torch.equal(m1, m2)
+
+
+INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 33, 4097, 100_003])
+def test_integer_dtypes_like_torch(device, dtype, n):
+    """Integers: forward and in place as torch.relu, over the whole range
+    (min, max, 0 included), in every layout."""
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(info.min, info.max, (n,), dtype=torch.int64, generator=g).to(dtype)
+    x[: min(n, 3)] = torch.tensor([info.min, info.max, 0], dtype=dtype)[: min(n, 3)]
+    x = x.to(device)
+    for name, v in layouts(x).items():
+        got = relu_ext.relu(v)
+        assert torch.equal(got, torch.relu(v)) and got.dtype == dtype, name
+        assert got.stride() == torch.relu(v).stride(), name
+        mine, theirs = v.clone(), v.clone()
+        assert relu_ext.relu(mine, inplace=True) is mine
+        torch.relu_(theirs)
+        assert torch.equal(mine, theirs), name

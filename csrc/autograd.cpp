@@ -1,0 +1,238 @@
+// Autograd, in C++ at the Autograd key, written as PyTorch writes its own
+// (VariableType and the generated backward nodes): when no gradient and no
+// tangent is needed, straight to the mask-free kernel; otherwise the
+// mask-writing forward, a ReluExtBackward0 node holding only the mask, and the
+// tangent masked the same way (forward-mode AD).
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+#include <torch/library.h>
+
+#include <type_traits>
+
+#include "ops.h"
+
+namespace relu_ext {
+
+namespace ag = torch::autograd;
+using ag::variable_list;
+
+namespace {
+
+// torch 2.14 holds nodes in c10::intrusive_ptr, torch 2.11 in std::shared_ptr.
+using NodePtr = decltype(ag::Edge::function);
+
+template <typename T>
+NodePtr new_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
+    return c10::make_intrusive<T>();
+  } else {
+    // deleteNode frees long chains of nodes without deep recursion (found by ADL).
+    return std::shared_ptr<T>(new T(), [](T* node) { deleteNode(node); });
+  }
+}
+
+// `grad` laid out as the mask expects. A copy_ also broadcasts, so a node
+// called by hand with a scalar gradient works as ReluBackward0 does.
+at::Tensor to_mask_layout(const at::Tensor& grad, c10::SymIntArrayRef sizes, c10::SymIntArrayRef strides) {
+  if (grad.sym_sizes() == sizes && grad.sym_strides() == strides) return grad;
+  return grad.new_empty_strided_symint(sizes, strides).copy_(grad);
+}
+
+// keep ? grad : +0, through the dispatcher above autograd: differentiable
+// again in grad, which is what double backward and forward-over-reverse need.
+at::Tensor masked(const at::Tensor& grad, const at::Tensor& mask, c10::SymIntArrayRef sizes,
+                  c10::SymIntArrayRef strides) {
+  return relu_bwd_op().call(to_mask_layout(grad, sizes, strides), mask);
+}
+
+variable_list apply_functional(variable_list&& grads, std::array<bool, 1> needs_input_grad, const at::Tensor& mask,
+                               const std::vector<c10::SymInt>& sizes, const std::vector<c10::SymInt>& strides) {
+  variable_list grad_inputs(1);
+  if (needs_input_grad[0] && grads[0].defined()) grad_inputs[0] = masked(grads[0], mask, sizes, strides);
+  return grad_inputs;
+}
+
+// The same, with its arguments packed, for compiled autograd to call.
+variable_list apply_functional_ivalue(const variable_list& grads, const ag::ivalue_list& args) {
+  auto packed = torch::dynamo::autograd::PackedArgs(args);
+  const auto needs_input_grad = packed.unpack<std::array<bool, 1>>();
+  const auto mask = packed.unpack<at::Tensor>();
+  const auto sizes = packed.unpack<std::vector<c10::SymInt>>();
+  const auto strides = packed.unpack<std::vector<c10::SymInt>>();
+  return apply_functional(variable_list(grads), needs_input_grad, mask, sizes, strides);
+}
+
+NodePtr make_backward(const at::Tensor& input, const at::Tensor& mask, c10::SymIntArrayRef sizes,
+                      std::vector<c10::SymInt> strides) {
+  NodePtr node = new_node<ReluExtBackward0>();
+  auto* fn = static_cast<ReluExtBackward0*>(node.get());
+  fn->set_next_edges(ag::collect_next_edges(input));
+  if (mask.defined()) fn->mask_ = ag::SavedVariable(mask, /*is_output=*/false);
+  fn->sizes_ = sizes.vec();
+  fn->strides_ = std::move(strides);
+  return node;
+}
+
+// The training forward out of place: y with a node and/or a masked tangent.
+std::tuple<at::Tensor, at::Tensor> differentiable_fwd(const at::Tensor& x, bool grad, bool tangent) {
+  at::Tensor y, mask;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    std::tie(y, mask) = relu_fwd_op().call(x);
+  }
+  auto strides = mask_strides(x);
+  if (tangent) y._set_fw_grad(masked(x._fw_grad(0), mask, x.sym_sizes(), strides), 0, /*is_inplace_op=*/false);
+  if (grad) ag::set_history(y, make_backward(x, mask, x.sym_sizes(), std::move(strides)));
+  return {y, mask};
+}
+
+// The same in place: the node's edges are collected before x changes, and
+// rebase_history makes x (or, for a view, its base) point at it.
+at::Tensor differentiable_fwd_(at::Tensor& x, bool grad, bool tangent) {
+  auto strides = mask_strides(x);
+  NodePtr node = grad ? make_backward(x, at::Tensor(), x.sym_sizes(), strides) : NodePtr();
+  at::Tensor mask;
+  {
+    const at::AutoDispatchBelowAutograd below;  // ADInplaceOrView still bumps the version
+    mask = relu_fwd_inplace_op().call(x);
+  }
+  if (node) {
+    static_cast<ReluExtBackward0*>(node.get())->mask_ = ag::SavedVariable(mask, /*is_output=*/false);
+    ag::rebase_history(x, node);
+  }
+  if (tangent) {
+    at::Tensor t = x._fw_grad(0);
+    t.copy_(masked(t, mask, x.sym_sizes(), strides));
+  }
+  return mask;
+}
+
+at::Tensor relu_autograd(const at::Tensor& x) {
+  check_layout_and_device(x, "relu_ext::relu", "x");
+  const bool grad = ag::compute_requires_grad(x);
+  const bool tangent = ag::isFwGradDefined(x);
+  if (!grad && !tangent) {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return relu_op().call(x);
+  }
+  return std::get<0>(differentiable_fwd(x, grad, tangent));
+}
+
+void relu_autograd_(at::Tensor& x) {
+  check_layout_and_device(x, "relu_ext::relu_", "x");
+  const bool grad = ag::compute_requires_grad(x);
+  const bool tangent = ag::isFwGradDefined(x);
+  ag::check_inplace(x, grad);  // PyTorch's errors for a leaf, or a view of one, that requires grad
+  if (!grad && !tangent) {
+    const at::AutoDispatchBelowAutograd below;
+    return relu_inplace_op().call(x);
+  }
+  differentiable_fwd_(x, grad, tangent);
+}
+
+// The training pieces are differentiable too, so that no op of the library
+// silently drops a gradient; the mask itself is not differentiable.
+std::tuple<at::Tensor, at::Tensor> relu_fwd_autograd(const at::Tensor& x) {
+  check_layout_and_device(x, "relu_ext::relu_fwd", "x");
+  const bool grad = ag::compute_requires_grad(x);
+  const bool tangent = ag::isFwGradDefined(x);
+  if (!grad && !tangent) {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return relu_fwd_op().call(x);
+  }
+  return differentiable_fwd(x, grad, tangent);
+}
+
+at::Tensor relu_fwd_autograd_(at::Tensor& x) {
+  check_layout_and_device(x, "relu_ext::relu_fwd_", "x");
+  const bool grad = ag::compute_requires_grad(x);
+  const bool tangent = ag::isFwGradDefined(x);
+  ag::check_inplace(x, grad);
+  if (!grad && !tangent) {
+    const at::AutoDispatchBelowAutograd below;
+    return relu_fwd_inplace_op().call(x);
+  }
+  return differentiable_fwd_(x, grad, tangent);
+}
+
+// relu_bwd is linear in grad, with the same mask: its backward (and its
+// tangent) is relu_bwd again. grad arrives in mask order, so its own strides
+// are the ones to keep.
+at::Tensor relu_bwd_autograd(const at::Tensor& grad, const at::Tensor& mask) {
+  check_layout_and_device(grad, "relu_ext::relu_bwd", "grad");
+  const bool needs = ag::compute_requires_grad(grad);
+  const bool tangent = ag::isFwGradDefined(grad);
+  at::Tensor out;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    out = relu_bwd_op().call(grad, mask);
+  }
+  if (!needs && !tangent) return out;
+  auto strides = mask_strides(grad);
+  if (tangent) out._set_fw_grad(masked(grad._fw_grad(0), mask, grad.sym_sizes(), strides), 0, false);
+  if (needs) ag::set_history(out, make_backward(grad, mask, grad.sym_sizes(), std::move(strides)));
+  return out;
+}
+
+}  // namespace
+
+variable_list ReluExtBackward0::apply(variable_list&& grads) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  const at::Tensor mask = mask_.unpack();  // raises PyTorch's error after the mask was released
+  return apply_functional(std::move(grads), {task_should_compute_output(0)}, mask, sizes_, strides_);
+}
+
+void ReluExtBackward0::release_variables() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  mask_.reset_data();
+}
+
+void ReluExtBackward0::compiled_args(ag::CompiledNodeArgs& args) const {
+  args.collect(mask_, /*is_output=*/false);
+  args.collect(sizes_);
+  args.collect(strides_);
+}
+
+// Compiled autograd: bind apply_functional_ivalue once, then put a call to it
+// into the graph being captured (as PyTorch's generated nodes do).
+variable_list ReluExtBackward0::apply_with_saved(const variable_list& grads, ag::SwapSavedVariables& saved) {
+  namespace ca = torch::dynamo::autograd;
+  saved.before(mask_);
+  saved.before(sizes_);
+  saved.before(strides_);
+  const auto& py = ca::getPyCompilerInterface();
+  static bool bound = false;
+  if (!bound) {
+    bound = true;
+    std::vector<at::TypePtr> schema = {
+        ca::IValuePacker<std::array<bool, 1>>::packed_type(), ca::IValuePacker<at::Tensor>::packed_type(),
+        ca::IValuePacker<std::vector<c10::SymInt>>::packed_type(),
+        ca::IValuePacker<std::vector<c10::SymInt>>::packed_type()};
+    py->bind_function(saved.get_py_compiler(), name(), apply_functional_ivalue, schema);
+  }
+  ca::PackedArgs packed;
+  packed.pack(std::array<bool, 1>{task_should_compute_output(0)});
+  packed.pack(mask_.unpack());
+  packed.pack(sizes_);
+  packed.pack(strides_);
+  const auto output_metadata =
+      ca::IValuePacker<std::vector<std::optional<ag::InputMetadata>>>::pack(ca::get_input_metadata(next_edges()));
+  auto result = py->call_function(saved.get_py_compiler(), "apply_functional", name(), grads,
+                                  std::move(packed).vec(), output_metadata);
+  saved.after(mask_);
+  saved.after(sizes_);
+  saved.after(strides_);
+  return result;
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, Autograd, m) {
+  m.impl("relu", &relu_autograd);
+  m.impl("relu_", &relu_autograd_);
+  m.impl("relu_fwd", &relu_fwd_autograd);
+  m.impl("relu_fwd_", &relu_fwd_autograd_);
+  m.impl("relu_bwd", &relu_bwd_autograd);
+}
+
+}  // namespace relu_ext

@@ -1,0 +1,90 @@
+// The Python module relu_ext._C: how the extension was built, the CPU kernel
+// choice, the eager entry point of relu_ext.relu, and the Python type of the
+// backward node (so that grad_fn prints as ReluExtBackward0 and exposes its
+// saved mask, like PyTorch's own nodes).
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include "ops.h"
+#include "relu.h"
+
+#ifndef RELU_EXT_CUDA_ARCH
+#define RELU_EXT_CUDA_ARCH ""
+#endif
+
+namespace relu_ext {
+namespace {
+
+#ifdef WITH_CUDA
+constexpr bool kWithCuda = true;
+#else
+constexpr bool kWithCuda = false;
+#endif
+
+// relu_ext.relu in eager mode for plain tensors: the op through the C++
+// dispatcher, without the Python op-call machinery (torch.ops), and the GIL
+// released as torch's own bindings do. Returns `input` itself in place.
+PyObject* relu_entry(PyObject* input, bool inplace) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(THPVariable_Check(input), "relu_ext.relu: expected a Tensor, got ", Py_TYPE(input)->tp_name);
+  const at::Tensor& x = THPVariable_Unpack(input);
+  if (inplace) {
+    {
+      const pybind11::gil_scoped_release no_gil;
+      relu_inplace_op().call(const_cast<at::Tensor&>(x));
+    }
+    Py_INCREF(input);
+    return input;
+  }
+  at::Tensor y;
+  {
+    const pybind11::gil_scoped_release no_gil;
+    y = relu_op().call(x);
+  }
+  return THPVariable_Wrap(std::move(y));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* saved_mask(PyObject* self, void* /*unused*/) {
+  HANDLE_TH_ERRORS
+  const auto& node = *static_cast<ReluExtBackward0*>(reinterpret_cast<torch::autograd::THPCppFunction*>(self)->cdata.get());
+  return THPVariable_Wrap(node.mask_.unpack());
+  END_HANDLE_TH_ERRORS
+}
+
+using namespace torch::autograd;  // the THP_FUNCTION_DEFAULT_* macros name its functions unqualified
+
+PyGetSetDef node_properties[] = {
+    THP_FUNCTION_DEFAULT_PROPERTIES,
+    {(char*)"_saved_mask", (getter)saved_mask, nullptr, nullptr, nullptr},
+    {nullptr}};
+PyTypeObject node_type;
+
+}  // namespace
+}  // namespace relu_ext
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace relu_ext;
+  m.doc() = "relu_ext native kernels; the ops live under torch.ops.relu_ext";
+  m.attr("with_cuda") = kWithCuda;
+  m.attr("cuda_arch_list") = RELU_EXT_CUDA_ARCH;
+  m.def("cpu_isa", &cpu_isa, "CPU kernel set in use: 'avx2' or 'scalar'.");
+  m.def("set_cpu_isa", &set_cpu_isa, pybind11::arg("name"),
+        "Choose the CPU kernel set: 'auto' (best this CPU has), 'avx2' or 'scalar'.");
+  m.def(
+      "relu",
+      [](pybind11::handle input, bool inplace) {
+        PyObject* out = relu_entry(input.ptr(), inplace);
+        if (out == nullptr) throw pybind11::error_already_set();
+        return pybind11::reinterpret_steal<pybind11::object>(out);
+      },
+      pybind11::arg("input"), pybind11::arg("inplace") = false,
+      "relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op).");
+
+  torch::autograd::_initFunctionPyTypeObject(node_type, "ReluExtBackward0", node_properties, /*methods: the default ones*/ nullptr);
+  Py_INCREF(&node_type);
+  m.attr("ReluExtBackward0") = pybind11::handle(reinterpret_cast<PyObject*>(&node_type));
+  torch::autograd::registerCppFunction(typeid(ReluExtBackward0), &node_type);
+}

@@ -1,0 +1,286 @@
+// Operator schema and its kernels at every dispatch key but Autograd
+// (autograd.cpp): the device-independent wrappers (checks, layout, allocation)
+// behind the CPU and CUDA keys, version counting for the in-place ops
+// (ADInplaceOrView), their functional form (Functionalize), and what the JIT
+// tracer records for relu_. (vmap rules
+// are in Python, relu_ext/registrations.py: functorch's C++ headers need a
+// JSON library that torch does not ship.)
+#include "ops.h"
+
+#include <ATen/ATen.h>
+#include <ATen/FunctionalTensorWrapper.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/TensorUtils.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
+#include <torch/library.h>
+
+#include "relu.h"
+
+namespace relu_ext {
+
+std::vector<c10::SymInt> mask_strides(const at::Tensor& x) {
+  if (x.is_non_overlapping_and_dense()) return x.sym_strides().vec();
+  if (!x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    const auto s = at::infer_dense_strides(x.sizes(), x.strides());  // what empty_like(x) uses
+    return {s.begin(), s.end()};
+  }
+  return at::empty_like(x).sym_strides().vec();  // symbolic shapes: a fake tensor, nothing allocated
+}
+
+void check_layout_and_device(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
+              "; relu_ext supports strided (dense) tensors only");
+  const auto dev = t.device().type();
+  TORCH_CHECK(dev == at::kCPU || dev == at::kCUDA || dev == at::kMeta, op, ": ", arg, " is on ", t.device(),
+              "; relu_ext has kernels for CPU and CUDA tensors only");
+}
+
+namespace {
+
+bool is_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+bool is_int(at::ScalarType t) {
+  return t == at::kByte || t == at::kChar || t == at::kShort || t == at::kInt || t == at::kLong;
+}
+
+// `ints`: the op takes integer tensors too (the mask-free forward ops do, as
+// torch.relu; the mask ops are for training, and integers carry no gradient).
+// Unsupported dtypes raise NotImplementedError, as torch.relu does for them.
+void check_input(const at::Tensor& t, const char* op, const char* arg, bool ints) {
+  const auto dt = t.scalar_type();
+  if (is_float(dt) || (ints && is_int(dt))) return;
+  TORCH_CHECK_NOT_IMPLEMENTED(dt != at::kBool, op, ": ", arg,
+                              " has dtype Bool; Boolean inputs are not supported for relu (as in torch.relu)");
+  TORCH_CHECK_NOT_IMPLEMENTED(!at::isComplexType(dt), op, ": ", arg, " has dtype ", dt,
+                              "; relu is not defined for complex types (as in torch.relu)");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !is_int(dt), op, ": ", arg, " has dtype ", dt,
+      "; this op writes the gradient mask, for float32, float64, float16 and bfloat16 only "
+      "(integer tensors carry no gradient: relu_ext::relu takes them)");
+  TORCH_CHECK_NOT_IMPLEMENTED(false, op, ": ", arg, " has dtype ", dt,
+                              "; relu_ext supports float32, float64, float16, bfloat16, int8, int16, int32, "
+                              "int64 and uint8");
+}
+
+// Kernels walk memory linearly: give them `t` itself when it is dense, else a
+// dense copy laid out as empty_like(t) lays it out (mask_strides).
+at::Tensor dense(const at::Tensor& t) {
+  return t.is_non_overlapping_and_dense() ? t : at::empty_like(t).copy_(t);
+}
+
+at::Tensor new_mask(const at::Tensor& x) {
+  return at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
+}
+
+void run_forward(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
+  const bool ints = is_int(x.scalar_type());
+#ifdef WITH_CUDA
+  if (x.is_cuda()) return ints ? forward_int_cuda(x, y) : forward_cuda(x, y, mask);
+#endif
+  ints ? forward_int_cpu(x, y) : forward_cpu(x, y, mask);
+}
+
+void run_backward(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in) {
+#ifdef WITH_CUDA
+  if (grad.is_cuda()) return backward_cuda(grad, mask, grad_in);
+#endif
+  backward_cpu(grad, mask, grad_in);
+}
+
+at::Tensor forward_new(const at::Tensor& x, uint8_t* mask) {
+  const at::Tensor xd = dense(x);
+  at::Tensor y = at::empty_like(xd);
+  run_forward(xd, y, mask);
+  return y;
+}
+
+void forward_inplace(at::Tensor& x, uint8_t* mask) {
+  at::assert_no_internal_overlap(x);  // same error as torch.relu_ on an expanded view
+  if (x.is_non_overlapping_and_dense()) return run_forward(x, x, mask);
+  at::Tensor xd = dense(x);
+  run_forward(xd, xd, mask);
+  x.copy_(xd);
+}
+
+// --- CPU / CUDA kernels ------------------------------------------------------
+
+at::Tensor relu(const at::Tensor& x) {
+  check_input(x, "relu_ext::relu", "x", /*ints=*/true);
+  return forward_new(x, nullptr);
+}
+
+void relu_(at::Tensor& x) {
+  check_input(x, "relu_ext::relu_", "x", /*ints=*/true);
+  forward_inplace(x, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> relu_fwd(const at::Tensor& x) {
+  check_input(x, "relu_ext::relu_fwd", "x", /*ints=*/false);
+  at::Tensor mask = new_mask(x);
+  return {forward_new(x, mask.data_ptr<uint8_t>()), mask};
+}
+
+at::Tensor relu_fwd_(at::Tensor& x) {
+  check_input(x, "relu_ext::relu_fwd_", "x", /*ints=*/false);
+  at::Tensor mask = new_mask(x);
+  forward_inplace(x, mask.data_ptr<uint8_t>());
+  return mask;
+}
+
+// `grad` must be laid out like the forward output (its mask order); the
+// backward node sees to that.
+at::Tensor relu_bwd(const at::Tensor& grad, const at::Tensor& mask) {
+  check_input(grad, "relu_ext::relu_bwd", "grad", /*ints=*/false);
+  TORCH_CHECK(mask.device() == grad.device(), "relu_ext::relu_bwd: grad is on ", grad.device(),
+              " but mask is on ", mask.device(), "; both must be on the same device");
+  TORCH_CHECK(mask.scalar_type() == at::kByte, "relu_ext::relu_bwd: mask has dtype ", mask.scalar_type(),
+              "; expected uint8 (the mask returned by relu_fwd)");
+  const int64_t need = (grad.numel() + 7) / 8;
+  TORCH_CHECK(mask.dim() == 1 && mask.numel() == need, "relu_ext::relu_bwd: mask has shape ", mask.sizes(),
+              " but grad has ", grad.numel(), " elements, which need a 1-D mask of ", need, " bytes");
+  TORCH_CHECK(mask.is_contiguous(), "relu_ext::relu_bwd: mask must be contiguous");
+  const at::Tensor gd = dense(grad);
+  at::Tensor grad_in = at::empty_like(gd);
+  run_backward(gd, mask.const_data_ptr<uint8_t>(), grad_in);
+  return grad_in;
+}
+
+#ifndef WITH_CUDA
+// A CUDA tensor in a build without CUDA kernels: say so and why, instead of
+// the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
+[[noreturn]] void no_cuda(const char* op) {
+  TORCH_CHECK(false, op,
+              ": input is on CUDA, but this relu_ext build has CPU kernels only (torch without CUDA, no nvcc "
+              "at build time, or RELU_EXT_FORCE_CPU=1); rebuild relu_ext where nvcc is available");
+}
+at::Tensor relu_no_cuda(const at::Tensor&) { no_cuda("relu_ext::relu"); }
+void relu_no_cuda_(at::Tensor&) { no_cuda("relu_ext::relu_"); }
+std::tuple<at::Tensor, at::Tensor> relu_fwd_no_cuda(const at::Tensor&) { no_cuda("relu_ext::relu_fwd"); }
+at::Tensor relu_fwd_no_cuda_(at::Tensor&) { no_cuda("relu_ext::relu_fwd_"); }
+at::Tensor relu_bwd_no_cuda(const at::Tensor&, const at::Tensor&) { no_cuda("relu_ext::relu_bwd"); }
+#endif
+
+// --- ADInplaceOrView: in-place ops bump the version counter --------------------
+// (as PyTorch's own in-place ops do here), so a tensor saved for some other
+// backward and then overwritten by relu_ is caught at backward time.
+
+void relu_inplace_view(at::Tensor& x) {
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    relu_inplace_op().call(x);
+  }
+  torch::autograd::increment_version(x);
+}
+
+at::Tensor relu_fwd_inplace_view(at::Tensor& x) {
+  at::Tensor mask;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    mask = relu_fwd_inplace_op().call(x);
+  }
+  torch::autograd::increment_version(x);
+  return mask;
+}
+
+// --- Functionalize: in-place ops become functional ones ------------------------
+// (torch.compile, torch.export), as PyTorch's own in-place ops do: relu_ runs
+// as relu and relu_fwd_ as relu_fwd, and the result replaces x's value. The
+// graphs then hold only out-of-place ops, which every backend and exporter
+// (ONNX included) can take.
+
+namespace fz = at::functionalization::impl;
+
+void relu_functionalize_(at::Tensor& x) {
+  if (!fz::isFunctionalTensor(x)) {
+    const at::AutoDispatchSkipFunctionalize skip;
+    return relu_inplace_op().call(x);
+  }
+  at::assert_no_internal_overlap(x);  // what eager raises must not pass here
+  fz::sync(x);
+  at::Tensor y;
+  {
+    const at::AutoDispatchSkipFunctionalize skip;
+    y = relu_op().call(fz::from_functional_tensor(x));
+  }
+  fz::replace_(x, y);
+  fz::commit_update(x);
+  fz::sync(x);
+}
+
+at::Tensor relu_fwd_functionalize_(at::Tensor& x) {
+  if (!fz::isFunctionalTensor(x)) {
+    const at::AutoDispatchSkipFunctionalize skip;
+    return relu_fwd_inplace_op().call(x);
+  }
+  at::assert_no_internal_overlap(x);
+  fz::sync(x);
+  at::Tensor y, mask;
+  {
+    const at::AutoDispatchSkipFunctionalize skip;
+    std::tie(y, mask) = relu_fwd_op().call(fz::from_functional_tensor(x));
+  }
+  fz::replace_(x, y);
+  fz::commit_update(x);
+  fz::sync(x);
+  return fz::to_functional_tensor(mask);
+}
+
+// --- Tracer ------------------------------------------------------------------
+// torch.jit.trace (and the ONNX exporter built on it) cannot follow a value
+// through an op that returns nothing: later uses of x would read the value
+// from before relu_. Record relu_ as the functional relu plus a copy_ into x.
+void relu_trace_(at::Tensor& x) { x.copy_(relu_op().call(x)); }
+
+}  // namespace
+
+// Mask layout: see relu.h. relu / relu_ are the public ops (mask-free when no
+// gradient is needed, see autograd.cpp); relu_fwd / relu_fwd_ also return the
+// mask for relu_bwd.
+TORCH_LIBRARY(relu_ext, m) {
+  m.def("relu(Tensor x) -> Tensor");
+  m.def("relu_(Tensor(a!) x) -> ()");
+  m.def("relu_fwd(Tensor x) -> (Tensor, Tensor)");
+  m.def("relu_fwd_(Tensor(a!) x) -> Tensor");
+  m.def("relu_bwd(Tensor grad, Tensor mask) -> Tensor");
+}
+
+// The wrappers pick the kernel from the tensor's device, so both keys share them.
+TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
+  m.impl("relu", &relu);
+  m.impl("relu_", &relu_);
+  m.impl("relu_fwd", &relu_fwd);
+  m.impl("relu_fwd_", &relu_fwd_);
+  m.impl("relu_bwd", &relu_bwd);
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
+#ifdef WITH_CUDA
+  m.impl("relu", &relu);
+  m.impl("relu_", &relu_);
+  m.impl("relu_fwd", &relu_fwd);
+  m.impl("relu_fwd_", &relu_fwd_);
+  m.impl("relu_bwd", &relu_bwd);
+#else
+  m.impl("relu", &relu_no_cuda);
+  m.impl("relu_", &relu_no_cuda_);
+  m.impl("relu_fwd", &relu_fwd_no_cuda);
+  m.impl("relu_fwd_", &relu_fwd_no_cuda_);
+  m.impl("relu_bwd", &relu_bwd_no_cuda);
+#endif
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, ADInplaceOrView, m) {
+  m.impl("relu_", &relu_inplace_view);
+  m.impl("relu_fwd_", &relu_fwd_inplace_view);
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, Functionalize, m) {
+  m.impl("relu_", &relu_functionalize_);
+  m.impl("relu_fwd_", &relu_fwd_functionalize_);
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, Tracer, m) { m.impl("relu_", &relu_trace_); }
+
+}  // namespace relu_ext

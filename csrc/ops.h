@@ -1,0 +1,71 @@
+// What the op registration (ops.cpp), the autograd kernels (autograd.cpp) and
+// the Python module (module.cpp) share: typed handles to call the ops through
+// the dispatcher, the mask's memory order, and the backward node.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace relu_ext {
+
+// The ops (schema in ops.cpp). relu / relu_ are public; the others are the
+// training pieces: relu_fwd / relu_fwd_ also write the mask, relu_bwd reads it.
+using ReluFn = at::Tensor(const at::Tensor&);
+using ReluInplaceFn = void(at::Tensor&);
+using ReluFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
+using ReluFwdInplaceFn = at::Tensor(at::Tensor&);
+using ReluBwdFn = at::Tensor(const at::Tensor&, const at::Tensor&);
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+#define RELU_EXT_OP_HANDLE(fn, name, Sig)                          \
+  inline const c10::TypedOperatorHandle<Sig>& fn() {              \
+    static const auto handle = find_op<Sig>("relu_ext::" name);   \
+    return handle;                                                \
+  }
+RELU_EXT_OP_HANDLE(relu_op, "relu", ReluFn)
+RELU_EXT_OP_HANDLE(relu_inplace_op, "relu_", ReluInplaceFn)
+RELU_EXT_OP_HANDLE(relu_fwd_op, "relu_fwd", ReluFwdFn)
+RELU_EXT_OP_HANDLE(relu_fwd_inplace_op, "relu_fwd_", ReluFwdInplaceFn)
+RELU_EXT_OP_HANDLE(relu_bwd_op, "relu_bwd", ReluBwdFn)
+#undef RELU_EXT_OP_HANDLE
+
+// Layout and device checks, made where every call passes (the autograd
+// kernels), so that a sparse or XPU tensor gets an error that says what is
+// wrong rather than the dispatcher's "could not run ... with arguments from
+// the ... backend".
+void check_layout_and_device(const at::Tensor& t, const char* op, const char* arg);
+
+// The dense layout an op on `x` walks, hence the order of its mask bits: x's
+// own strides when x is dense, else the ones empty_like(x) picks (the layout
+// torch.relu gives its output).
+std::vector<c10::SymInt> mask_strides(const at::Tensor& x);
+
+// The backward of every mask-saving op: grad_in = keep ? grad : +0, from the
+// mask alone. It is also its own derivative (linear in grad), so double
+// backward records another one of these.
+struct ReluExtBackward0 : public torch::autograd::TraceableFunction {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  std::string name() const override { return "ReluExtBackward0"; }
+  void release_variables() override;
+  void compiled_args(torch::autograd::CompiledNodeArgs& args) const override;
+  torch::autograd::variable_list apply_with_saved(const torch::autograd::variable_list& grads,
+                                                  torch::autograd::SwapSavedVariables& saved) override;
+
+  torch::autograd::SavedVariable mask_;
+  // The forward output's shape, and the strides its mask follows: an incoming
+  // gradient laid out otherwise (expanded, another memory format) is copied
+  // into this layout first.
+  std::vector<c10::SymInt> sizes_;
+  std::vector<c10::SymInt> strides_;
+};
+
+}  // namespace relu_ext
