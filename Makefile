@@ -14,9 +14,9 @@ export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 DEPS := torch==$(TORCH_VERSION) ninja numpy pytest hypothesis matplotlib onnx onnxruntime onnxscript
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*) $(wildcard relu_ext/*.py)
+SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*) $(wildcard src/relu_ext/*.py)
 
-.PHONY: test test-cpu-only test-sanitize test-torch-old bench build deps clean
+.PHONY: test test-cpu-only test-sanitize test-torch-old test-package bench build deps clean distclean uninstall
 
 test: $(BUILD_STAMP)
 	$(PY) -m pytest tests
@@ -34,7 +34,7 @@ SCRATCH_PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider
 # (its own test asserts it has no CUDA kernels).
 test-cpu-only: $(DEPS_STAMP)
 	$(call scratch_build,cpu-only,RELU_EXT_FORCE_CPU=1)
-	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/cpu-only) $(SCRATCH_PYTEST) \
+	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/cpu-only/src) $(SCRATCH_PYTEST) \
 		tests/test_exact.py tests/test_examples_and_errors.py
 
 # The CPU kernels and bindings built with AddressSanitizer and
@@ -47,7 +47,7 @@ SAN_CXX ?= $(or $(CXX),c++)
 SAN_PRELOAD = $(shell $(SAN_CXX) -print-file-name=libasan.so) $(shell $(SAN_CXX) -print-file-name=libstdc++.so)
 test-sanitize: $(DEPS_STAMP)
 	$(call scratch_build,sanitize,RELU_EXT_SANITIZE=1)
-	cd build/sanitize && RELU_EXT_SANITIZE=1 PYTHONPATH=$(abspath build/sanitize) \
+	cd build/sanitize && RELU_EXT_SANITIZE=1 PYTHONPATH=$(abspath build/sanitize/src) \
 		LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
 		$(SCRATCH_PYTEST) tests
 
@@ -65,7 +65,7 @@ $(OLD_STAMP):
 test-torch-old: $(OLD_STAMP)
 	$(OLD_PY) -c "import torch; assert torch.__version__.startswith('$(OLD_TORCH)'), torch.__version__"
 	$(call scratch_build,torch-old,,$(OLD_PY))
-	cd build/torch-old && PYTHONPATH=$(abspath build/torch-old) $(abspath $(OLD_PY)) -m pytest -q -p no:cacheprovider tests
+	cd build/torch-old && PYTHONPATH=$(abspath build/torch-old/src) $(abspath $(OLD_PY)) -m pytest -q -p no:cacheprovider tests
 
 bench: $(BUILD_STAMP)
 	$(PY) -m relu_ext.bench --out bench/results $(BENCH_ARGS)
@@ -85,5 +85,36 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	$(PY) -c "import relu_ext; print('relu_ext build:', relu_ext.build_info())"
 	touch $@
 
+# The sdist holds everything a build needs: make it (isolated, as a user's
+# `python -m build --sdist` does), build a wheel from it in this venv (no
+# isolation: the wheel must be compiled against the installed torch), install
+# the wheel with plain pip into a fresh venv, and run the tests from the
+# unpacked sdist's root there. Also: the wheel pins torch's major.minor, and
+# an isolated wheel build stops with the explanation instead of compiling.
+PKG := build/package
+PKG_PY := $(PKG)/venv/bin/python
+test-package: $(DEPS_STAMP)
+	rm -rf $(PKG) && mkdir -p $(PKG)
+	$(PY) -m pip install -q build
+	$(PY) -m build --sdist --outdir $(PKG) .
+	tar -xzf $(PKG)/relu_ext-*.tar.gz -C $(PKG)
+	$(PY) -m build --wheel --no-isolation --outdir $(PKG) $(PKG)/relu_ext-*/
+	unzip -p $(PKG)/relu_ext-*.whl '*/METADATA' | tee $(PKG)/METADATA | grep -x 'Requires-Dist: torch==$(basename $(TORCH_VERSION)).\*'
+	grep -x 'License-Expression: BSD-3-Clause' $(PKG)/METADATA
+	! $(PY) -m build --wheel --outdir $(PKG)/isolated $(PKG)/relu_ext-*/ > $(PKG)/isolated.log 2>&1
+	grep -q 'no-build-isolation' $(PKG)/isolated.log
+	$(PYTHON) -m venv $(PKG)/venv
+	$(PKG_PY) -m pip install -q $(PKG)/relu_ext-*.whl torch==$(TORCH_VERSION) pytest numpy hypothesis
+	cd $(PKG)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider tests/test_exact.py tests/test_packaging.py
+	rm -rf $(PKG)/venv
+
 clean:
-	rm -rf build *.egg-info relu_ext/*.so $(BUILD_STAMP)
+	rm -rf build dist src/*.egg-info src/relu_ext/*.so src/relu_ext/_build_config.py $(BUILD_STAMP)
+
+# clean, and the virtual environments make created.
+distclean: clean
+	rm -rf $(VENV) $(OLD_VENV)
+
+uninstall:
+	$(PY) -m pip uninstall -y relu_ext
+	rm -f $(BUILD_STAMP)

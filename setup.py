@@ -1,21 +1,25 @@
 """Build relu_ext against the torch that is already installed.
 
 Builds a CUDAExtension when torch has CUDA and nvcc is found, else a
-CppExtension. Environment:
+CppExtension, and pins the distribution to the torch major.minor it was
+compiled against. Environment:
   RELU_EXT_FORCE_CPU=1   build the CPU kernels only
   RELU_EXT_SANITIZE=1    CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer
                          (implies FORCE_CPU; run with LD_PRELOAD=libasan, see Makefile)
   CUDA_HOME              CUDA toolkit (default: /usr/local/cuda when it has nvcc)
-  TORCH_CUDA_ARCH_LIST   GPU archs (default: the visible GPUs', else "9.0")
+  TORCH_CUDA_ARCH_LIST   GPU archs (default: the visible GPUs', else DEFAULT_ARCHS)
   MAX_JOBS               parallel compile jobs (honoured by torch's ninja build)
+
+Without torch only metadata and the sdist can be made: pip's default isolated
+build environment has no torch, so a wheel needs `--no-build-isolation`.
 """
 
 import os
+import re
+import subprocess
 import sys
 
 from setuptools import setup
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # torch.utils.cpp_extension reads CUDA_HOME when imported. Without it, torch
 # follows `which nvcc`, which may be a wrapper script (e.g. /usr/local/bin/nvcc).
@@ -23,39 +27,74 @@ if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")):
     if os.path.exists("/usr/local/cuda/bin/nvcc"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
+# Commands that need no compiler and no torch.
+METADATA_ONLY = {"egg_info", "dist_info", "sdist", "check", "clean", "--version", "--name", "--help"}
+NO_TORCH = """
+relu_ext compiles against the PyTorch it will run with, and this build environment has no torch.
+pip builds in an isolated environment by default, which holds only the build requirements, and
+torch is deliberately not one of them (a C++ extension must match the installed torch's ABI).
+Install torch first, then build in your environment:
+    pip install --no-build-isolation .        (or -e . for development)
+    python -m build --wheel --no-isolation
+"""
+
+# GPUs people have (T4, A100, RTX 30xx/A10, L4/RTX 40xx, H100, B200, RTX 50xx),
+# as far as nvcc supports them; the newest also as PTX for later GPUs.
+DEFAULT_ARCHS = ["7.5", "8.0", "8.6", "8.9", "9.0", "10.0", "12.0"]
+
 try:
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 except ImportError:
-    sys.exit(
-        "relu_ext builds against your installed PyTorch, and none was found.\n"
-        "Install torch first, then: pip install --no-build-isolation -e ."
-    )
-
+    torch = None
+    if not set(sys.argv[1:]) & METADATA_ONLY:
+        sys.exit(NO_TORCH)
 
 SANITIZE = os.environ.get("RELU_EXT_SANITIZE", "0") == "1"
 
 
-def want_cuda() -> bool:
-    if os.environ.get("RELU_EXT_FORCE_CPU", "0") == "1" or SANITIZE:
-        return False
+def cpu_only_reason() -> "str | None":
+    """Why this build has no CUDA kernels, or None when it gets them."""
+    if os.environ.get("RELU_EXT_FORCE_CPU", "0") == "1":
+        return "RELU_EXT_FORCE_CPU=1 was set"
+    if SANITIZE:
+        return "RELU_EXT_SANITIZE=1 (sanitizer builds are CPU-only)"
     if torch.version.cuda is None:
-        print("relu_ext: this torch has no CUDA; building CPU kernels only")
-        return False
+        return f"torch {torch.__version__} has no CUDA"
     if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        print("relu_ext: nvcc not found (set CUDA_HOME); building CPU kernels only")
-        return False
-    return True
+        return "nvcc was not found (set CUDA_HOME to a CUDA toolkit)"
+    return None
 
 
-def cuda_arch_list() -> str:
+def nvcc_archs() -> "set[str]":
+    """The real architectures the installed nvcc can compile for, as '9.0'-style strings."""
+    out = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), "--list-gpu-code"],
+                         capture_output=True, text=True, check=True).stdout
+    return {f"{m[:-1]}.{m[-1]}" for m in re.findall(r"sm_(\d+)\b", out)}
+
+
+def cuda_arch_list() -> "tuple[str, str]":
+    """(TORCH_CUDA_ARCH_LIST for this build, where it came from)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"], "TORCH_CUDA_ARCH_LIST"
+    known = nvcc_archs()
+    if torch.cuda.is_available():
+        caps = {"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        # A GPU newer than nvcc gets nvcc's newest architecture, run through PTX.
+        archs = sorted({c if c in known else max(known, key=float) for c in caps}, key=float)
+        return ";".join(archs) + "+PTX", "the GPUs visible at build time"
     # With no GPU visible and no list, torch's arch detection fails (IndexError).
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-    return os.environ.get("TORCH_CUDA_ARCH_LIST", "detected")
+    archs = [a for a in DEFAULT_ARCHS if a in known]
+    return ";".join(archs) + "+PTX", "default: no GPU visible at build time"
 
 
-def extension():
+def torch_requirement() -> str:
+    """The torch this build is compiled against, as a requirement: same major.minor."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return f"torch=={major}.{minor}.*"
+
+
+def extension(reason: "str | None", arch: "str | None"):
     sources = ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/module.cpp", "csrc/relu_cpu.cpp"]
     # -g0: Python's default CFLAGS carry -g, which doubles compile time.
     cxx, link = ["-O3", "-g0"], []
@@ -70,19 +109,46 @@ def extension():
         # resolves to the copy torch has already loaded.
         cxx.append("-fopenmp")
         link.append("-fopenmp")
-    if not want_cuda():
+    if reason is not None:
         return CppExtension("relu_ext._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
-    arch = cuda_arch_list()
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     return CUDAExtension(
         "relu_ext._C",
         sources + ["csrc/relu_cuda.cu"],
-        define_macros=[("WITH_CUDA", None), ("RELU_EXT_CUDA_ARCH", f'"{arch}"')],
+        define_macros=[("WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-Xcompiler", "-g0"]},
         extra_link_args=link,
     )
 
 
-setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-)
+if torch is None:  # metadata or sdist only
+    setup(install_requires=["torch"])
+else:
+    REASON = cpu_only_reason()
+    ARCH, ARCH_SOURCE = cuda_arch_list() if REASON is None else (None, None)
+    CONFIG = {
+        "TORCH_VERSION": torch.__version__,
+        "CPU_ONLY_REASON": REASON,
+        "CUDA_ARCH_LIST": ARCH,
+        "CUDA_ARCH_SOURCE": ARCH_SOURCE,
+    }
+
+    class build_ext(BuildExtension.with_options(use_ninja=True)):
+        """torch's build, then `_build_config.py` beside the native module.
+
+        The package reads it before it loads the native module, so a torch
+        of another major.minor gets a clear ImportError instead of a crash.
+        """
+
+        def run(self) -> None:
+            super().run()
+            path = os.path.join(os.path.dirname(self.get_ext_fullpath("relu_ext._C")), "_build_config.py")
+            with open(path, "w") as f:
+                f.write("# Written by setup.py when relu_ext._C was built. Do not edit.\n")
+                f.writelines(f"{k} = {v!r}\n" for k, v in CONFIG.items())
+
+    setup(
+        install_requires=[torch_requirement()],
+        ext_modules=[extension(REASON, ARCH)],
+        cmdclass={"build_ext": build_ext},
+    )

@@ -1,4 +1,4 @@
-"""Same as `python -m relu_ext.bench` (see relu_ext/bench.py), for running from a checkout."""
+"""Same as `python -m relu_ext.bench` (see src/relu_ext/bench.py), for running from a checkout."""
 
 from relu_ext.bench import main
 

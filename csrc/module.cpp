@@ -10,10 +10,6 @@
 #include "ops.h"
 #include "relu.h"
 
-#ifndef RELU_EXT_CUDA_ARCH
-#define RELU_EXT_CUDA_ARCH ""
-#endif
-
 namespace relu_ext {
 namespace {
 
@@ -69,7 +65,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace relu_ext;
   m.doc() = "relu_ext native kernels; the ops live under torch.ops.relu_ext";
   m.attr("with_cuda") = kWithCuda;
-  m.attr("cuda_arch_list") = RELU_EXT_CUDA_ARCH;
   m.def("cpu_isa", &cpu_isa, "CPU kernel set in use: 'avx2' or 'scalar'.");
   m.def("set_cpu_isa", &set_cpu_isa, pybind11::arg("name"),
         "Choose the CPU kernel set: 'auto' (best this CPU has), 'avx2' or 'scalar'.");

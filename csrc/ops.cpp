@@ -3,7 +3,7 @@
 // behind the CPU and CUDA keys, version counting for the in-place ops
 // (ADInplaceOrView), their functional form (Functionalize), and what the JIT
 // tracer records for relu_. (vmap rules
-// are in Python, relu_ext/registrations.py: functorch's C++ headers need a
+// are in Python, src/relu_ext/registrations.py: functorch's C++ headers need a
 // JSON library that torch does not ship.)
 #include "ops.h"
 

@@ -9,11 +9,22 @@ Importing the package loads the native library, which registers the
 ``torch.ops.relu_ext`` operators, and teaches the exporters about them.
 """
 
-from . import export as _export  # noqa: F401  (registers the ONNX and decomposition hooks)
-from .ops import ReLU, build_info, convert, cuda_available, relu, revert
+import torch as _torch
+
+from . import _build
+
+_build.check_torch()  # before the native module loads
+
+from . import export as _export  # noqa: E402, F401  (registers the ONNX and decomposition hooks)
+from ._build import build_info, cuda_available  # noqa: E402
+from .ops import ReLU, convert, relu, revert  # noqa: E402
 
 __all__ = ["ReLU", "relu", "convert", "revert", "cuda_available", "build_info"]
 __version__ = "0.1.0"
+
+# Only a CPU-only build asks torch about GPUs (a CUDA build needs not wake the driver).
+if not cuda_available():
+    _build.warn_if_gpu_unused(False, _torch.cuda.is_available())
 
 # Pickles and reprs name the public path.
 ReLU.__module__ = __name__

@@ -1,4 +1,4 @@
-"""The drop-in API: ``relu``, ``ReLU``, ``convert``, ``revert``, and build facts.
+"""The drop-in API: ``relu``, ``ReLU``, ``convert``, ``revert``.
 
 The native ops (schema in csrc/ops.cpp, autograd in csrc/autograd.cpp) are:
 
@@ -14,8 +14,6 @@ only that mask, so an fp32 activation costs 1 bit instead of 32.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -29,23 +27,6 @@ _is_scripting = torch.jit.is_scripting
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _has_torch_function_unary = torch._C._has_torch_function_unary
 _eager_relu = _C.relu
-
-
-def cuda_available() -> bool:
-    """True when the CUDA kernels were compiled into this build."""
-    return bool(_C.with_cuda)
-
-
-def build_info() -> dict[str, Any]:
-    """How this extension was built and what it runs with."""
-    return {
-        "cuda": bool(_C.with_cuda),
-        "cuda_arch_list": _C.cuda_arch_list or None,
-        "cpu_isa": _C.cpu_isa(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-    }
-
 
 
 def relu(input: Tensor, inplace: bool = False) -> Tensor:

@@ -1,0 +1,28 @@
+"""Type stub for relu_ext._C, the pybind11 module built from csrc/module.cpp.
+
+The ops themselves are reached as ``torch.ops.relu_ext.*``.
+"""
+
+from typing import Any
+
+from torch import Tensor
+
+with_cuda: bool
+"""True when the CUDA kernels were compiled into this build."""
+
+def cpu_isa() -> str:
+    """CPU kernel set in use: 'avx2' or 'scalar'."""
+
+def set_cpu_isa(name: str) -> None:
+    """Choose the CPU kernel set: 'auto' (best this CPU has), 'avx2' or 'scalar'."""
+
+def relu(input: Tensor, inplace: bool = False) -> Tensor:
+    """relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op)."""
+
+class ReluExtBackward0:
+    """The backward node's Python type (``y.grad_fn`` of a relu_ext output)."""
+
+    _saved_mask: Tensor
+    next_functions: tuple[tuple[Any, int], ...]
+    def __call__(self, *grads: Tensor) -> Any: ...
+    def name(self) -> str: ...

@@ -1,0 +1,170 @@
+"""Distribution: build facts, the torch version guard, metadata, the sdist's contents, typing.
+
+`make test-package` runs this file again from an unpacked sdist, against a
+wheel built from it and installed into a fresh venv.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import relu_ext
+from relu_ext import _build, _C
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = Path(relu_ext.__file__).parent
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def test_build_info_is_consistent():
+    info = relu_ext.build_info()
+    assert info["cpu_isa"] in ("avx2", "scalar") and info["torch"] == torch.__version__
+    assert info["cuda"] == relu_ext.cuda_available() == _C.with_cuda
+    assert _major_minor(info["built_with_torch"]) == _major_minor(torch.__version__)
+    if info["cuda"]:
+        assert info["cpu_only_reason"] is None and info["cuda_arch_list"] and info["cuda_arch_source"]
+    else:
+        assert info["cpu_only_reason"] and info["cuda_arch_list"] is None
+    if os.environ.get("RELU_EXT_FORCE_CPU") == "1":
+        assert "RELU_EXT_FORCE_CPU" in info["cpu_only_reason"]
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    path = os.path.join(home, "bin", "nvcc")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.skipif(not str(relu_ext.build_info()["cuda_arch_source"]).startswith("default"),
+                    reason="this build's CUDA arch list was not the no-GPU default")
+def test_default_arch_list_covers_common_gpus():
+    archs = relu_ext.build_info()["cuda_arch_list"].split(";")
+    assert archs[-1].endswith("+PTX")
+    plain = [a.removesuffix("+PTX") for a in archs]
+    assert {"8.0", "8.6", "8.9", "9.0"} <= set(plain), archs  # A100, RTX 30xx/A10, L4/RTX 40xx, H100
+    if _nvcc():
+        out = subprocess.run([_nvcc(), "--list-gpu-code"], capture_output=True, text=True, check=True).stdout
+        assert all(f"sm_{a.replace('.', '')}" in out for a in plain), (archs, out)
+
+
+def test_other_torch_minor_is_refused_by_name():
+    with pytest.raises(ImportError, match=r"built against torch 2\.14\.1.*torch 2\.15\.0 is installed.*no-build-isolation"):
+        _build.check_torch(running="2.15.0", built="2.14.1")
+    with pytest.raises(ImportError, match=r"torch 3\.14\.0"):
+        _build.check_torch(running="3.14.0", built="2.14.1+cu130")
+    _build.check_torch(running="2.14.2", built="2.14.1+cu130")  # patch releases keep the ABI
+    _build.check_torch(running="2.14.0a0+git1234", built="2.14.1")
+
+
+def test_import_under_another_torch_fails_before_the_native_module_loads():
+    code = (
+        "import sys, torch\n"
+        "torch.__version__ = '1.99.0'\n"
+        "try:\n"
+        "    import relu_ext\n"
+        "except ImportError as e:\n"
+        "    print('REFUSED', e)\n"
+        "print('LOADED' if 'relu_ext._C' in sys.modules else 'NOT LOADED')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED relu_ext was built against torch" in out.stdout and "1.99.0" in out.stdout, out.stdout
+    assert "NOT LOADED" in out.stdout, out.stdout
+
+
+def test_gpu_unused_warning_names_the_reason(monkeypatch):
+    monkeypatch.setattr(_build._config, "CPU_ONLY_REASON", "nvcc was not found (set CUDA_HOME to a CUDA toolkit)")
+    with pytest.warns(RuntimeWarning, match=r"torch sees a GPU.*CPU kernels only \(nvcc was not found"):
+        _build.warn_if_gpu_unused(with_cuda=False, gpu_visible=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _build.warn_if_gpu_unused(with_cuda=True, gpu_visible=True)
+        _build.warn_if_gpu_unused(with_cuda=False, gpu_visible=False)
+
+
+def test_import_warns_only_when_a_gpu_goes_unused():
+    """The check at import: a CPU-only build warns where torch sees a GPU (simulated here)."""
+    code = (
+        "import warnings, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import relu_ext\n"
+        "print(sum('torch sees a GPU' in str(x.message) for x in w))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == ("0" if relu_ext.cuda_available() else "1"), out.stdout
+
+
+def test_stub_declares_the_native_module():
+    stub = PACKAGE / "_C.pyi"
+    assert (PACKAGE / "py.typed").exists() and stub.exists()
+    tree = ast.parse(stub.read_text())
+    declared = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            declared.add(node.name)
+        elif isinstance(node, ast.AnnAssign):
+            declared.add(node.target.id)
+    public = {name for name in dir(_C) if not name.startswith("__")}
+    assert declared == public
+
+
+def test_metadata():
+    try:
+        meta = importlib.metadata.metadata("relu_ext")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("relu_ext is imported from a build tree, with no installed metadata")
+    assert meta["Version"] == relu_ext.__version__
+    assert meta["License-Expression"] == "BSD-3-Clause"
+    assert meta["Author"] or meta["Author-email"]
+    assert meta.get_all("Classifier") and meta["Keywords"]
+    # The pin is the torch major.minor the installed copy was compiled against.
+    requires = meta.get_all("Requires-Dist") or []
+    torch_req = [r for r in requires if re.match(r"torch\b", r)]
+    assert torch_req == [f"torch=={_major_minor(relu_ext.build_info()['built_with_torch'])}.*"], requires
+
+
+@pytest.mark.skipif(not (ROOT / "setup.py").exists(), reason="not run from a source tree")
+def test_sdist_holds_what_a_build_needs(tmp_path):
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path), "sdist", "-d", str(tmp_path)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )
+    (sdist,) = tmp_path.glob("relu_ext-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    needed = {"setup.py", "pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "Makefile",
+              "csrc/relu.h", "csrc/ops.h", "csrc/relu_cuda.cu", "tests/conftest.py",
+              "src/relu_ext/py.typed", "src/relu_ext/_C.pyi", "examples/two_layer_net.py"}
+    needed |= {f for f in tracked if f.startswith(("csrc/", "src/", "tests/", "examples/"))}
+    assert needed <= names, sorted(needed - names)
+    assert not {n for n in names if n.endswith(".so") or n.endswith("_build_config.py")}
+
+
+def test_version_is_written_once():
+    """pyproject.toml reads the version from relu_ext.__version__ instead of repeating it."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", relu_ext.__version__)
+    pyproject = ROOT / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("not run from a source tree")
+    config = tomllib.loads(pyproject.read_text())
+    assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "relu_ext.__version__"}
