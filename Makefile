@@ -16,7 +16,7 @@ DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*) $(wildcard src/relu_ext/*.py)
 
-.PHONY: test test-cpu-only test-sanitize test-torch-old test-package bench build deps clean distclean uninstall
+.PHONY: test test-cpu-only test-sanitize test-torch-old test-package bench bench-results build deps clean distclean uninstall
 
 test: $(BUILD_STAMP)
 	$(PY) -m pytest tests
@@ -67,7 +67,12 @@ test-torch-old: $(OLD_STAMP)
 	$(call scratch_build,torch-old,,$(OLD_PY))
 	cd build/torch-old && PYTHONPATH=$(abspath build/torch-old/src) $(abspath $(OLD_PY)) -m pytest -q -p no:cacheprovider tests
 
+# make bench writes to bench/out (git ignores it, each run its own name);
+# make bench-results into the committed bench/results, on purpose.
 bench: $(BUILD_STAMP)
+	$(PY) -m relu_ext.bench $(BENCH_ARGS)
+
+bench-results: $(BUILD_STAMP)
 	$(PY) -m relu_ext.bench --out bench/results $(BENCH_ARGS)
 
 build: $(BUILD_STAMP)

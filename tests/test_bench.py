@@ -4,6 +4,8 @@ ReLU (else their timings would mean nothing)."""
 
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +133,28 @@ def test_measure_runs_with_torchs_threads():
     seen = []
     stats = bench.measure(lambda: seen.append(torch.get_num_threads()), "cpu", 5, 0.01)
     assert stats["samples"] >= 5 and set(seen) == {torch.get_num_threads()}
+
+
+def test_default_output_is_untracked_and_never_overwritten():
+    env = {"device": "cpu", "cpu": "AMD EPYC", "threads": 2, "date": "2026-11-23T03:22:54"}
+    later = dict(env, date="2026-11-23T05:10:07")
+    assert bench.default_name(env) == "cpu-amd-epyc-2t-2026-11-23T0322"
+    assert bench.default_name(later) != bench.default_name(env)
+    out = subprocess.run(["git", "check-ignore", "-q", "bench/out/x.json"], cwd=Path(__file__).resolve().parents[1])
+    if out.returncode != 128:  # 128: not a git checkout (an unpacked sdist)
+        assert out.returncode == 0, "bench/out must be ignored by git"
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(capsys):
+    lines = bench.Progress(3, "lines", interval=0.0)
+    for label in ("a", "b", "c"):
+        lines.step(label)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["progress: 1/3, 0 s, a", "progress: 2/3, 0 s, b", "progress: 3/3, 0 s, c"]
+    sparse = bench.Progress(3, "lines", interval=3600.0)
+    for label in ("a", "b", "c"):
+        sparse.step(label)
+    assert capsys.readouterr().err.splitlines() == ["progress: 3/3, 0 s, c"]  # the last step always shows
+    off = bench.Progress(3, "off")
+    off.step("a")
+    assert capsys.readouterr().err == ""

@@ -22,7 +22,7 @@ from .ops import ReLU, convert, relu, revert  # noqa: E402
 __all__ = ["ReLU", "relu", "convert", "revert", "cuda_available", "build_info"]
 __version__ = "0.1.0"
 
-# Only a CPU-only build asks torch about GPUs (a CUDA build needs not wake the driver).
+# Only a CPU-only build asks torch about GPUs (a CUDA build need not wake the driver).
 if not cuda_available():
     _build.warn_if_gpu_unused(False, _torch.cuda.is_available())
 

@@ -306,21 +306,26 @@ def _measure_cuda(fn: Callable[[], object], repeat: int, budget_s: float) -> dic
 
 
 class Progress:
-    """One-line progress bar on stderr (only where stderr is a terminal, unless forced)."""
+    """Progress on stderr: a one-line bar on a terminal, else a plain line every
+    ``interval`` seconds (so a log shows the run is alive); ``mode`` "off" is silent."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+    def __init__(self, total: int, mode: str, interval: float = 15.0) -> None:
+        self.total, self.done, self.mode, self.interval = total, 0, mode, interval
+        self.t0 = self.last = time.perf_counter()
 
     def step(self, label: str) -> None:
         self.done += 1
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * self.done // max(1, self.total)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                         f"{time.perf_counter() - self.t0:5.0f}s {label[:50]:50}")
-        if self.done >= self.total:
-            sys.stderr.write("\n")
+        now = time.perf_counter()
+        if self.mode == "bar":
+            width = 30
+            filled = width * self.done // max(1, self.total)
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                             f"{now - self.t0:5.0f}s {label[:50]:50}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+        elif self.mode == "lines" and (now - self.last >= self.interval or self.done >= self.total):
+            self.last = now
+            sys.stderr.write(f"progress: {self.done}/{self.total}, {now - self.t0:.0f} s, {label}\n")
         sys.stderr.flush()
 
 
@@ -588,7 +593,8 @@ def _driver() -> str | None:
 def default_name(env: dict[str, Any]) -> str:
     what = env.get("gpu") if env["device"] == "cuda" else f"{env['cpu']} {env['threads']}t"
     slug = re.sub(r"[^a-z0-9]+", "-", what.lower()).strip("-")
-    return f"{env['device']}-{slug}-{env['date'][:10]}"
+    # Date and time: a new run never overwrites an earlier one.
+    return f"{env['device']}-{slug}-{env['date'][:16].replace(':', '')}"
 
 
 def _size(n: int) -> str:
@@ -695,11 +701,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeat", type=int, default=50, help="most samples per measurement")
     p.add_argument("--budget", type=float, default=0.4, help="seconds per measurement (at least 5 samples)")
     p.add_argument("--quick", action="store_true", help="tiny models (for tests and smoke runs)")
-    p.add_argument("--out", default=".", help="folder for NAME.json and NAME.png")
-    p.add_argument("--name", help="file name stem (default: device-model-date)")
+    p.add_argument("--out", default=os.path.join("bench", "out"),
+                   help="folder for NAME.json and NAME.png (default: bench/out, which git ignores; "
+                        "`make bench-results` writes to the committed bench/results on purpose)")
+    p.add_argument("--name", help="file name stem (default: device-model-dateTtime)")
     p.add_argument("--no-files", action="store_true", help="print the tables only")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: when stderr is a terminal)")
+                   help="progress on stderr (default: a bar on a terminal, else a line every 15 s)")
     p.add_argument("--peak-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peak_worker:
@@ -724,7 +732,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              + ("small" in what) * len(small_sizes) * per_small * SMALL_ROUNDS
              + ("memory" in what) * (len(dtypes) + len(MODELS) * len(model_impls))
              + ("models" in what) * len(MODELS) * len(model_impls))
-    progress = Progress(total, sys.stderr.isatty() if args.progress is None else args.progress)
+    mode = ("bar" if sys.stderr.isatty() else "lines") if args.progress is not False else "off"
+    progress = Progress(total, mode)
 
     result: dict[str, Any] = {"environment": environment(args.device),
                               "config": {"dtypes": args.dtypes.split(","), "sizes": sizes, "what": what, "impls": impls,
