@@ -108,7 +108,7 @@ struct Avx2<uint64_t> {
   }
 };
 
-template <typename U, U kInf>
+template <typename U, U kInf, bool kMask>
 RELU_AVX2 void fwd_avx2(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
   using T = Avx2<U>;
   constexpr int L = T::kLanes;
@@ -124,11 +124,62 @@ RELU_AVX2 void fwd_avx2(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t 
       const __m256i keep = _mm256_or_si256(T::gt(b, zero), T::gt(_mm256_and_si256(b, abs), inf));
       const __m256i out = _mm256_and_si256(b, _mm256_or_si256(keep, T::eq(b, sign)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i0 + v * L), out);
-      word |= uint64_t(T::bits(keep)) << (v * L);
+      if constexpr (kMask) word |= uint64_t(T::bits(keep)) << (v * L);
     }
-    if (mask) std::memcpy(mask + i0 / 8, &word, 8);
+    if constexpr (kMask) std::memcpy(mask + i0 / 8, &word, 8);
   }
-  fwd_scalar<U, kInf>(x, y, mask, i0, end);
+  fwd_scalar<U, kInf>(x, y, kMask ? mask : nullptr, i0, end);
+}
+
+// float32 / float64 through float compares, fewer instructions than the bit
+// tests above: an ordered `x < 0` is false for NaN and for -0.0, so
+// `andnot(x < 0, x)` is the forward exactly, and the unordered `!(x <= 0)` is
+// the mask. That holds while the CPU does not read denormals as zero
+// (MXCSR.DAZ, per thread, e.g. after torch.set_flush_denormal(True)): then
+// the bit-test kernel runs instead.
+template <typename U>
+struct Avx2Float;
+
+template <>
+struct Avx2Float<uint32_t> {
+  static constexpr int kLanes = 8;
+  RELU_AVX2 static __m256 load(const uint32_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+  RELU_AVX2 static void store(uint32_t* p, __m256 v) { _mm256_storeu_ps(reinterpret_cast<float*>(p), v); }
+  RELU_AVX2 static __m256 lt0(__m256 v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ); }
+  RELU_AVX2 static __m256 keep(__m256 v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NLE_UQ); }
+  RELU_AVX2 static __m256 andnot(__m256 k, __m256 v) { return _mm256_andnot_ps(k, v); }
+  RELU_AVX2 static uint32_t bits(__m256 k) { return static_cast<uint32_t>(_mm256_movemask_ps(k)); }
+};
+
+template <>
+struct Avx2Float<uint64_t> {
+  static constexpr int kLanes = 4;
+  RELU_AVX2 static __m256d load(const uint64_t* p) { return _mm256_loadu_pd(reinterpret_cast<const double*>(p)); }
+  RELU_AVX2 static void store(uint64_t* p, __m256d v) { _mm256_storeu_pd(reinterpret_cast<double*>(p), v); }
+  RELU_AVX2 static __m256d lt0(__m256d v) { return _mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_LT_OQ); }
+  RELU_AVX2 static __m256d keep(__m256d v) { return _mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_NLE_UQ); }
+  RELU_AVX2 static __m256d andnot(__m256d k, __m256d v) { return _mm256_andnot_pd(k, v); }
+  RELU_AVX2 static uint32_t bits(__m256d k) { return static_cast<uint32_t>(_mm256_movemask_pd(k)); }
+};
+
+constexpr unsigned kMxcsrDaz = 0x0040;
+
+template <typename U, U kInf, bool kMask>
+RELU_AVX2 void fwd_avx2_float(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
+  if (_mm_getcsr() & kMxcsrDaz) return fwd_avx2<U, kInf, kMask>(x, y, mask, begin, end);
+  using T = Avx2Float<U>;
+  constexpr int L = T::kLanes;
+  int64_t i0 = begin;
+  for (; i0 + kBlock <= end; i0 += kBlock) {
+    uint64_t word = 0;
+    for (int v = 0; v < kBlock / L; ++v) {
+      const auto b = T::load(x + i0 + v * L);
+      T::store(y + i0 + v * L, T::andnot(T::lt0(b), b));
+      if constexpr (kMask) word |= uint64_t(T::bits(T::keep(b))) << (v * L);
+    }
+    if constexpr (kMask) std::memcpy(mask + i0 / 8, &word, 8);
+  }
+  fwd_scalar<U, kInf>(x, y, kMask ? mask : nullptr, i0, end);
 }
 
 template <typename U>
@@ -190,9 +241,15 @@ template <typename U>
 using BwdFn = void (*)(const U*, const uint8_t*, U*, int64_t, int64_t);
 
 template <typename U, U kInf>
-FwdFn<U, kInf> pick_fwd() {
+FwdFn<U, kInf> pick_fwd(bool with_mask) {
 #ifdef RELU_X86
-  if (isa_choice().load() == kAvx2) return &fwd_avx2<U, kInf>;
+  if (isa_choice().load() == kAvx2) {
+    if constexpr (sizeof(U) >= 4) {
+      return with_mask ? &fwd_avx2_float<U, kInf, true> : &fwd_avx2_float<U, kInf, false>;
+    } else {
+      return with_mask ? &fwd_avx2<U, kInf, true> : &fwd_avx2<U, kInf, false>;
+    }
+  }
 #endif
   return &fwd_scalar<U, kInf>;
 }
@@ -218,7 +275,7 @@ void parallel_blocks(int64_t n, Fn&& fn) {
 void forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
   dispatch_bits(x.scalar_type(), [&](auto fmt) {
     using U = typename decltype(fmt)::U;
-    const auto kernel = pick_fwd<U, decltype(fmt)::kInf>();
+    const auto kernel = pick_fwd<U, decltype(fmt)::kInf>(mask != nullptr);
     const U* xp = static_cast<const U*>(x.const_data_ptr());
     U* yp = static_cast<U*>(y.data_ptr());
     parallel_blocks(x.numel(), [&](int64_t begin, int64_t end) { kernel(xp, yp, mask, begin, end); });

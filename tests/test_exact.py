@@ -57,6 +57,28 @@ def test_special_values(device, dtype):
     assert_bitwise_equal(xr.grad, expected, "gradient (NaN passes, exactly 0 and -0 give 0)")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1000, 100_003])
+def test_denormals_as_zero_mode_changes_nothing(cpu_isa, dtype, n):
+    """The float-compare CPU kernels would read denormals as zero under
+    torch.set_flush_denormal(True) (MXCSR.DAZ): the result must not change."""
+    x = adversarial(n, dtype, "cpu", seed=n)
+    tiny = torch.finfo(dtype).tiny
+    x[::7] = torch.tensor([tiny / 4, -tiny / 4], dtype=dtype).repeat((len(x[::7]) + 1) // 2)[: len(x[::7])]
+    want_y, want_mask = torch.ops.relu_ext.relu_fwd(x)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no denormals-are-zero mode")
+    try:
+        y, mask = torch.ops.relu_ext.relu_fwd(x)
+        y_nograd = relu_ext.relu(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert_bitwise_equal(y, want_y, "forward under DAZ")
+    assert_bitwise_equal(y_nograd, want_y, "no-grad forward under DAZ")
+    assert torch.equal(mask, want_mask), "mask under DAZ"
+    assert_bitwise_equal(want_y, torch.relu(x), "forward")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gradient_select_not_product(device, dtype):
