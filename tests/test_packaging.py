@@ -70,6 +70,13 @@ def test_other_torch_minor_is_refused_by_name():
     _build.check_torch(running="2.14.0a0+git1234", built="2.14.1")
 
 
+def _python(code: str) -> str:
+    """stdout of `code` run in a fresh interpreter (a fresh import of relu_ext), which must exit 0."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_import_under_another_torch_fails_before_the_native_module_loads():
     code = (
         "import sys, torch\n"
@@ -80,10 +87,9 @@ def test_import_under_another_torch_fails_before_the_native_module_loads():
         "    print('REFUSED', e)\n"
         "print('LOADED' if 'relu_ext._C' in sys.modules else 'NOT LOADED')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "REFUSED relu_ext was built against torch" in out.stdout and "1.99.0" in out.stdout, out.stdout
-    assert "NOT LOADED" in out.stdout, out.stdout
+    out = _python(code)
+    assert "REFUSED relu_ext was built against torch" in out and "1.99.0" in out, out
+    assert "NOT LOADED" in out, out
 
 
 def test_gpu_unused_warning_names_the_reason(monkeypatch):
@@ -106,9 +112,8 @@ def test_import_warns_only_when_a_gpu_goes_unused():
         "    import relu_ext\n"
         "print(sum('torch sees a GPU' in str(x.message) for x in w))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-1] == ("0" if relu_ext.cuda_available() else "1"), out.stdout
+    out = _python(code)
+    assert out.split()[-1] == ("0" if relu_ext.cuda_available() else "1"), out
 
 
 def test_stub_declares_the_native_module():
