@@ -14,7 +14,7 @@ export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 DEPS := torch==$(TORCH_VERSION) ninja numpy pytest hypothesis matplotlib onnx onnxruntime onnxscript
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
-SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*) $(wildcard src/relu_ext/*.py)
+SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*) $(wildcard src/relu_ext/*.py src/relu_ext/bench/*.py)
 
 .PHONY: test test-cpu-only test-sanitize test-torch-old test-package bench bench-results build deps clean distclean uninstall
 

@@ -1,25 +1,32 @@
 """The benchmark code itself: it runs at tiny sizes, its JSON holds the figures
-it claims, its ratios are computed from its own times, and its peers compute
-ReLU (else their timings would mean nothing)."""
+it claims (every round), its ratios are computed from its own rounds, it marks
+figures that cannot be trusted, and its peers compute ReLU (else their
+timings would mean nothing)."""
 
+import itertools
 import json
 import math
+import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import adversarial, assert_bitwise_equal
-from relu_ext import bench
+from relu_ext.bench import cli, models, peers, report, timing
+
+# --malloc as-is: the default would retune malloc in this (pytest's) process for the rest of the suite.
+TINY = ["--device", "cpu", "--rounds", "3", "--budget", "0.01", "--no-progress", "--no-files", "--malloc", "as-is"]
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    res = bench.main(["--device", "cpu", "--dtypes", "float32,bfloat16", "--sizes", "1024,4099", "--quick",
-                      "--repeat", "5", "--budget", "0.01", "--impls", "torch,torch_out,compile,seed,relu_ext",
-                      "--out", str(out), "--name", "t", "--no-progress"])
+    res = cli.main(["--device", "cpu", "--dtypes", "float32,bfloat16", "--sizes", "1024,4099", "--quick",
+                    "--rounds", "3", "--budget", "0.01", "--impls", "torch,torch_out,compile,seed,relu_ext",
+                    "--out", str(out), "--name", "t", "--no-progress", "--malloc", "as-is"])
     return res, out
 
 
@@ -32,45 +39,91 @@ def test_files_written(result):
 
 def test_environment_recorded(result):
     env = result[0]["environment"]
-    for key in ("date", "device", "torch", "cuda", "cpu", "threads", "python", "relu_ext", "triton"):
+    for key in ("date", "device", "torch", "cuda", "cpu", "threads", "python", "relu_ext", "triton", "load_start",
+                "load_end", "malloc"):
         assert key in env, key
     assert env["torch"] == torch.__version__ and env["threads"] == torch.get_num_threads()
+    assert set(env["load_start"]) == {"load1", "cpus", "busy"}
+    assert env["malloc"] == "as is (glibc defaults)" and result[0]["config"]["malloc"] == "as-is"
+
+
+FAULTS = """
+import resource, sys, torch
+from relu_ext.bench import timing
+print(timing.steady_malloc() if sys.argv[1] == "steady" else "as-is")
+faults = []
+for _ in range(6):
+    f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(2**24)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
+print(min(faults[2:]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["steady", "as-is"])
+def test_steady_malloc_reuses_freed_memory(mode):
+    """64 MiB freed and asked for again (the heap settles after the first
+    few): glibc's default maps fresh pages each time (one fault per 4 KiB
+    page); the bench's steady mode reuses the heap's."""
+    out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True).stdout.split()
+    faults = int(out[-1])
+    if mode == "steady":
+        assert out[0] == "steady:" and faults < 1000, faults
+    else:
+        assert faults > 10000, faults
+
+
+def check_row(r, rounds, max_spread):
+    """Every figure of a row follows from the rounds the JSON holds."""
+    copy_r = r["copy"]["rounds_s"]
+    assert len(copy_r) == rounds and math.isclose(r["copy_gbs"], r["copy_bytes"] / statistics.median(copy_r) / 1e9)
+    torch_r = r["results"]["torch"]["rounds_s"]
+    for c in r["results"].values():
+        rs = c["rounds_s"]
+        assert len(rs) == rounds and c["median_s"] == statistics.median(rs)
+        assert c["q25_s"] <= c["median_s"] <= c["q75_s"]
+        assert math.isclose(c["spread"], (c["q75_s"] - c["q25_s"]) / c["median_s"])
+        assert (timing.NOISY in c["marks"]) == (c["spread"] > max_spread)
+        assert math.isclose(c["gbs"], c["bytes"] / c["median_s"] / 1e9)
+        # Paired by round: the ratios are medians of per-round ratios, not ratios of medians.
+        assert math.isclose(c["vs_torch"], statistics.median(a / b for a, b in zip(rs, torch_r)))
+        want = c["bytes"] / r["copy_bytes"] * statistics.median(cp / t for cp, t in zip(copy_r, rs))
+        assert math.isclose(c["of_copy"], want)
 
 
 def test_kernel_rows_schema_and_arithmetic(result):
-    rows = result[0]["kernels"]
+    res = result[0]
+    rows = res["kernels"]
     assert {(r["dtype"], r["numel"]) for r in rows} == {(d, n) for d in ("float32", "bfloat16") for n in (1024, 4099)}
-    assert {r["case"] for r in rows} == set(bench.CASES)
+    assert {r["case"] for r in rows} == set(peers.CASES)
     for r in rows:
+        check_row(r, 3, res["config"]["max_spread"])
         e = 4 if r["dtype"] == "float32" else 2
         n, m = r["numel"], (r["numel"] + 7) // 8
-        assert math.isclose(r["copy_gbs"], 2 * n * e / r["copy"]["median_s"] / 1e9)
-        torch_s = r["results"]["torch"]["median_s"]
-        for impl, c in r["results"].items():
-            assert c["p10_s"] <= c["median_s"] <= c["p90_s"] and c["samples"] >= 5
-            assert math.isclose(c["gbs"], c["bytes"] / c["median_s"] / 1e9)
-            assert math.isclose(c["of_copy"], c["gbs"] / r["copy_gbs"])
-            assert math.isclose(c["vs_torch"], c["median_s"] / torch_s)
         ext = r["results"]["relu_ext"]["bytes"]
         want = {"fwd": 2 * n * e, "fwd (train)": 2 * n * e + m, "bwd": 2 * n * e + m,
                 "fwd+bwd": 4 * n * e + 2 * m, "in-place": 2 * n * e}[r["case"]]
         assert ext == want, r["case"]
     fwd = [r for r in rows if r["case"] == "fwd"][0]
     assert set(fwd["results"]) == {"torch", "torch_out", "compile", "seed", "relu_ext"}
+    # The cases of one dtype and size share the copy's rounds: they ran interleaved.
+    same = [r["copy"]["rounds_s"] for r in rows if (r["dtype"], r["numel"]) == ("float32", 1024)]
+    assert len(same) == len(peers.CASES) and all(s == same[0] for s in same)
 
 
 def test_small_memory_models_sections(result):
     res = result[0]
-    assert [(r["numel"], r["case"]) for r in res["small"]] == [(n, c) for n in (1024, 2048, 4096) for c in bench.SMALL_CASES]
+    assert [(r["numel"], r["case"]) for r in res["small"]] == [(n, c) for n in cli.QUICK_SMALL_SIZES
+                                                              for c in peers.SMALL_CASES]
     for r in res["small"]:
         want = {"torch", "compile", "seed", "relu_ext"} if not r["case"].startswith("module") else {"torch", "seed", "relu_ext"}
         assert set(r["results"]) == want, r["case"]
-        for c in r["results"].values():
-            assert math.isclose(c["vs_torch"], c["median_s"] / r["results"]["torch"]["median_s"])
+        check_row(r, 3, res["config"]["max_spread"])
     per = {r["dtype"]: r["bytes_per_element"] for r in res["memory"]["saved_per_element"]}
     # nn.ReLU keeps its output, the tutorial Function its input, relu_ext 1 bit.
     assert per["float32"]["torch"] == 4 and per["bfloat16"]["torch"] == 2
     assert per["float32"]["seed"] == 4 and per["float32"]["relu_ext"] == 1 / 8 == per["bfloat16"]["relu_ext"]
+    assert [row["model"] for row in res["memory"]["models"]] == models.MODELS
     for row in res["memory"]["models"]:
         assert set(row["results"]) == {"torch", "seed", "relu_ext"}
         for m in row["results"].values():
@@ -78,18 +131,155 @@ def test_small_memory_models_sections(result):
     drop = {k: v["saved_bytes"] for k, v in res["memory"]["models"][1]["results"].items()}
     assert drop["relu_ext"] < drop["torch"], "with dropout after ReLU, relu_ext must save less"
     for row in res["models"]:
-        assert math.isclose(row["results"]["relu_ext"]["vs_torch"],
-                            row["results"]["relu_ext"]["median_s"] / row["results"]["torch"]["median_s"])
-    text = bench.format_tables(res)
-    assert "kernels:" in text and "small tensors" in text and "training step" in text
+        r, t = row["results"]["relu_ext"], row["results"]["torch"]
+        assert len(r["rounds_s"]) == 3
+        assert math.isclose(r["vs_torch"], statistics.median(a / b for a, b in zip(r["rounds_s"], t["rounds_s"])))
+    text = report.format_tables(res)
+    assert "kernels:" in text and "small tensors" in text and "training step" in text and "trust:" in text
+
+
+def test_tables_fit_120_columns(result):
+    """Six implementations (CUDA adds triton), GPU-sized GB/s and a figure far
+    above the copy: every line still fits."""
+    res = json.loads(json.dumps(result[0]))
+    for r in res["kernels"] + res["small"]:
+        r["results"]["triton"] = dict(r["results"]["relu_ext"], gbs=3012.5, of_copy=12.3, vs_torch=10.5)
+        r["copy_gbs"] = 3100.0
+    lines = report.format_tables(res).splitlines()
+    assert max(map(len, lines)) <= report.WIDTH, max(lines, key=len)
+    assert any("triton" in line for line in lines)
+
+
+def fake_sample(script):
+    """A Sampler.sample that returns script(key, round) instead of timing: a
+    measurement made noisy (or the machine made busy) on purpose."""
+    rounds = {}
+
+    def sample(self):
+        k = rounds[self.key] = rounds.get(self.key, -1) + 1
+        return script(self.key, k)
+
+    return sample
+
+
+def test_noisy_measurement_is_marked(monkeypatch, capsys):
+    # Every figure steady, but relu_ext's forward doubles every other round.
+    monkeypatch.setattr(timing.Sampler, "sample", fake_sample(
+        lambda key, k: 1e-5 * (2 if key == ("fwd", "relu_ext") and k % 2 else 1)))
+    res = cli.main(TINY + ["--what", "kernels", "--sizes", "1024,2048", "--dtypes", "float32",
+                           "--impls", "torch,relu_ext", "--rounds", "4"])
+    marked = {(r["numel"], r["case"], impl) for r in res["kernels"] for impl, c in r["results"].items() if c["marks"]}
+    assert marked == {(1024, "fwd", "relu_ext"), (2048, "fwd", "relu_ext")}
+    fwd = next(r for r in res["kernels"] if r["case"] == "fwd")["results"]["relu_ext"]
+    assert fwd["marks"] == [timing.NOISY] and fwd["spread"] > res["config"]["max_spread"]
+    assert res["trust"]["marked"] == 2 and res["trust"]["noisy"] == 2 and res["trust"]["copy_low_rows"] == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines if line.rstrip().endswith("~")] == [["1K", "fwd"], ["2K", "fwd"]]
+    assert "trust: 2 of " in "\n".join(lines)
+
+
+def test_busy_copy_marks_its_rows(monkeypatch, capsys):
+    # The copy at 2048 elements ran 10x slower in two of its three rounds: a busy machine.
+    monkeypatch.setattr(timing.Sampler, "sample", fake_sample(
+        lambda key, k: 1e-5 * (10 if key == ("copy", "copy") and k >= 3 and k != 5 else 1)))
+    res = cli.main(TINY + ["--what", "kernels", "--sizes", "1024,2048", "--dtypes", "float32",
+                           "--impls", "torch,relu_ext"])
+    low = {r["numel"] for r in res["kernels"] if timing.COPY_LOW_MARK in r["marks"]}
+    assert low == {2048}
+    assert res["trust"]["copy_low_rows"] == len(peers.CASES)
+    lines = capsys.readouterr().out.splitlines()
+    assert all("!" in line for line in lines if line.startswith("  2K "))
+    assert not any("!" in line for line in lines if line.startswith("  1K "))
+
+
+def test_mark_copy_low_compares_rows_of_the_same_size_across_sections():
+    def row(section, gbs_rounds):
+        rounds = [2048 / g / 1e9 for g in gbs_rounds]
+        return timing.make_row({"section": section, "device": "cpu", "dtype": "float32", "numel": 256,
+                                "case": "fwd", "copy_bytes": 2048}, rounds, {"torch": (rounds, 2048)})
+
+    steady, busy, other = row("kernels", [40, 41, 39]), row("small", [12, 15, 14]), row("kernels", [40, 41, 39])
+    other["numel"] = 512
+    timing.mark_copy_low([steady, busy, other])
+    assert busy["marks"] == [timing.COPY_LOW_MARK] and steady["marks"] == [] and other["marks"] == []
+
+
+def test_load_warning(monkeypatch, capsys):
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (7.5, 3.0, 1.0))
+    monkeypatch.setattr(timing.os, "sched_getaffinity", lambda pid: {0, 1})
+    res = cli.main(TINY + ["--what", "kernels", "--sizes", "256", "--dtypes", "float32", "--impls", "torch",
+                           "--rounds", "1"])
+    captured = capsys.readouterr()
+    assert captured.err.startswith("warning: load average 7.50 on 2 CPUs before the run: the machine is busy")
+    assert res["environment"]["load_start"] == {"load1": 7.5, "cpus": 2, "busy": True}
+    assert "warning: load average 7.50" in captured.out  # repeated under the tables
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (0.3, 0.2, 0.1))
+    assert timing.load_warning(timing.load_average()) is None
+
+
+def test_configuration_defaults_quick_and_overrides():
+    _, full = cli.configure(["--device", "cpu"])
+    assert (full["sizes"], full["rounds"], full["budget_s"]) == (cli.DEFAULT_SIZES["cpu"], 5, 0.25)
+    assert full["small_sizes"] == cli.SMALL_SIZES and not full["quick"] and full["malloc"] == "steady"
+    assert cli.configure(["--device", "cpu", "--malloc", "as-is"])[1]["malloc"] == "as-is"
+    _, quick = cli.configure(["--device", "cpu", "--quick"])
+    assert (quick["sizes"], quick["small_sizes"], quick["rounds"]) == (cli.QUICK_SIZES["cpu"], cli.QUICK_SMALL_SIZES, 3)
+    assert quick["budget_s"] < full["budget_s"] and quick["quick"]
+    _, mine = cli.configure(["--device", "cpu", "--quick", "--rounds", "7", "--budget", "0.5", "--sizes", "100,200",
+                             "--max-spread", "0.3"])
+    assert (mine["rounds"], mine["budget_s"], mine["small_budget_s"], mine["sizes"], mine["max_spread"]) == \
+        (7, 0.5, 0.5, [100, 200], 0.3)
+
+
+@pytest.mark.parametrize("argv", [["--impls", "torch,nope"], ["--what", "kernels,speed"], ["--rounds", "0"],
+                                  ["--dtypes", "int32"], ["--dtypes", "float33"], ["--device", "mps"],
+                                  ["--malloc", "jemalloc"]])
+def test_bad_arguments_are_named(argv, capsys):
+    with pytest.raises(SystemExit):
+        cli.configure(["--device", "cpu"] + argv)
+    assert argv[1].split(",")[-1] in capsys.readouterr().err
+
+
+def test_help_lists_the_flags():
+    text = cli.parser().format_help()
+    for flag in ("--rounds", "--budget", "--max-spread", "--quick", "--out", "--no-files", "--what", "--impls"):
+        assert flag in text
+    assert "interleaved" in text and "marked" in text
+
+
+def test_plot_panels(result, tmp_path):
+    panels = report.plot(result[0], str(tmp_path / "p.png"))
+    titles = [t for t, _ in panels]
+    assert "float32 fwd" in titles and "bfloat16 in-place" in titles
+    assert [t for t in titles if t.startswith("per call:")] == [f"per call: float32 {c}" for c in peers.SMALL_CASES]
+    assert "saved for backward, per element" in titles and "training step peak above live set" in titles
+    assert all("(higher is better)" in y or "(lower is better)" in y for _, y in panels)
+
+
+def test_interleave_shuffles_and_times_each():
+    order = []
+    fns = {k: (lambda k=k: order.append(k)) for k in "abcdef"}
+    samples = timing.interleave(fns, "cpu", 4, 0.004)
+    assert set(samples) == set("abcdef") and all(len(v) == 4 and min(v) > 0 for v in samples.values())
+    blocks = [k for k, _ in itertools.groupby(order)][-24:]  # one block of calls per fn and round
+    rounds = ["".join(blocks[i:i + 6]) for i in range(0, 24, 6)]
+    assert all(sorted(r) == list("abcdef") for r in rounds) and len(set(rounds)) > 1, rounds
+    assert rounds[0] == "abcdef"
+
+
+def test_summarize_single_round_and_spread():
+    one = timing.summarize([2.0])
+    assert (one["median_s"], one["q25_s"], one["q75_s"], one["spread"], one["marks"]) == (2.0, 2.0, 2.0, 0.0, [])
+    wide = timing.summarize([1.0, 1.0, 2.0, 2.0], max_spread=0.15)
+    assert wide["median_s"] == 1.5 and wide["marks"] == [timing.NOISY]
 
 
 def test_saved_bytes_counts_distinct_storages():
     x = torch.randn(1000, requires_grad=True)
     w = torch.randn(1000, requires_grad=True)
-    assert bench.saved_bytes(lambda: (x * w).sum()) == 8000
-    assert bench.saved_bytes(lambda: (x * x).sum()) == 4000
-    assert bench.saved_bytes(lambda: (x * w).sum(), exclude=[w]) == 4000
+    assert models.saved_bytes(lambda: (x * w).sum()) == 8000
+    assert models.saved_bytes(lambda: (x * x).sum()) == 4000
+    assert models.saved_bytes(lambda: (x * w).sum(), exclude=[w]) == 4000
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -97,20 +287,25 @@ def test_seed_peer_computes_relu(dtype):
     x = adversarial(4097, dtype, seed=3).nan_to_num(0.0)
     g = torch.randn_like(x)
     xs, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
-    bench.SeedReLU.apply(xs).backward(g)
+    peers.SeedReLU.apply(xs).backward(g)
     torch.relu(xt).backward(g)
-    assert torch.equal(bench.SeedReLU.apply(x), torch.relu(x).abs())  # clamp gives +0 where relu keeps -0
+    assert torch.equal(peers.SeedReLU.apply(x), torch.relu(x).abs())  # clamp gives +0 where relu keeps -0
     keep = x != 0  # at exactly 0 the tutorial passes the gradient, PyTorch does not
     assert torch.equal(xs.grad[keep], xt.grad[keep])
+
+
+def test_compiled_peer_computes_relu():
+    x = adversarial(3001, torch.float32, seed=4)
+    assert_bitwise_equal(peers.compiled_relu()(x), torch.relu(x), "compiled forward")
 
 
 def test_triton_peer_computes_relu(monkeypatch):
     """The Triton kernels, run by Triton's interpreter on CPU tensors."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    bench.triton_relu.cache_clear()
+    peers.triton_relu.cache_clear()
     try:
-        fwd, bwd, fn = bench.triton_relu()
+        fwd, bwd, fn = peers.triton_relu()
         for dtype in (torch.float32, torch.bfloat16):
             x = adversarial(3001, dtype, seed=5)
             x[(x.abs() < torch.finfo(dtype).tiny) & (x != 0)] = 1.0  # the peer may flush denormals; fine for timing
@@ -119,42 +314,57 @@ def test_triton_peer_computes_relu(monkeypatch):
             g = torch.randn_like(x)
             assert_bitwise_equal(bwd(g, y), torch.ops.aten.threshold_backward(g, torch.relu(x), 0), "triton backward")
     finally:
-        bench.triton_relu.cache_clear()
+        peers.triton_relu.cache_clear()
 
 
-def test_bad_arguments_are_named():
-    with pytest.raises(SystemExit):
-        bench.main(["--impls", "torch,nope", "--no-files"])
-
-
-def test_measure_runs_with_torchs_threads():
+def test_sampler_runs_with_torchs_threads():
     """torch.utils.benchmark.Timer defaults to 1 thread; the bench must time
     with the threads torch uses, as the user's code runs."""
     seen = []
-    stats = bench.measure(lambda: seen.append(torch.get_num_threads()), "cpu", 5, 0.01)
-    assert stats["samples"] >= 5 and set(seen) == {torch.get_num_threads()}
+    sampler = timing.Sampler("k", lambda: seen.append(torch.get_num_threads()), "cpu", 0.001)
+    assert sampler.sample() > 0 and set(seen) == {torch.get_num_threads()}
 
 
 def test_default_output_is_untracked_and_never_overwritten():
     env = {"device": "cpu", "cpu": "AMD EPYC", "threads": 2, "date": "2026-11-23T03:22:54"}
     later = dict(env, date="2026-11-23T05:10:07")
-    assert bench.default_name(env) == "cpu-amd-epyc-2t-2026-11-23T0322"
-    assert bench.default_name(later) != bench.default_name(env)
+    assert report.default_name(env) == "cpu-amd-epyc-2t-2026-11-23T0322"
+    assert report.default_name(later) != report.default_name(env)
+    assert cli.parser().parse_args([]).out == "bench/out"
     out = subprocess.run(["git", "check-ignore", "-q", "bench/out/x.json"], cwd=Path(__file__).resolve().parents[1])
     if out.returncode != 128:  # 128: not a git checkout (an unpacked sdist)
         assert out.returncode == 0, "bench/out must be ignored by git"
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal(capsys):
-    lines = bench.Progress(3, "lines", interval=0.0)
+    lines = timing.Progress(3, "lines", interval=0.0)
     for label in ("a", "b", "c"):
         lines.step(label)
     err = capsys.readouterr().err.splitlines()
     assert err == ["progress: 1/3, 0 s, a", "progress: 2/3, 0 s, b", "progress: 3/3, 0 s, c"]
-    sparse = bench.Progress(3, "lines", interval=3600.0)
+    sparse = timing.Progress(3, "lines", interval=3600.0)
     for label in ("a", "b", "c"):
         sparse.step(label)
     assert capsys.readouterr().err.splitlines() == ["progress: 3/3, 0 s, c"]  # the last step always shows
-    off = bench.Progress(3, "off")
+    off = timing.Progress(3, "off")
     off.step("a")
     assert capsys.readouterr().err == ""
+
+
+def test_progress_total_matches_the_steps_taken(monkeypatch):
+    steps = []
+    monkeypatch.setattr(timing.Progress, "step", lambda self, label: steps.append(label))
+    argv = TINY + ["--what", "kernels,small,models", "--sizes", "512", "--dtypes", "float32", "--impls", "torch,relu_ext",
+                   "--rounds", "2", "--quick"]
+    _, config = cli.configure(argv)
+    cli.main(argv)
+    assert len(steps) == cli._steps(config)
+
+
+def test_slow_peers_stop_at_their_size_on_cpu():
+    impls = ["torch", "compile", "seed", "relu_ext"]
+    assert cli.impls_at(2**24, impls, 2**24) == impls
+    assert cli.impls_at(2**26, impls, 2**24) == ["torch", "relu_ext"]
+    assert cli.impls_at(2**28, impls, None) == impls
+    _, config = cli.configure(["--device", "cpu"])
+    assert config["slow_peers_max"] == 2**24 and max(config["sizes"]) == 2**26

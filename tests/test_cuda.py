@@ -16,7 +16,9 @@ Added here, for a GPU only:
 - ``torch.compile(mode="reduce-overhead")`` (inductor + CUDA graphs);
 - the device guard on a second GPU (skipped with one GPU);
 - tensors of more than 2^31 elements on the GPU (bfloat16 and int8);
-- relu(-0.0) against torch.relu on this GPU (see the test's message).
+- relu(-0.0) against torch.relu on this GPU (see the test's message);
+- the benchmark's CUDA path (do_bench rounds, the Triton peer, peak memory)
+  at tiny sizes.
 
 Every test compares with relu_ext's own eager / CPU result first (which
 isolates the feature under test) and with ``torch.relu`` / ``nn.ReLU`` second
@@ -478,3 +480,24 @@ def test_signed_zero_like_torch_on_this_gpu(dtype):
             "PyTorch's CPU and CUDA kernels disagree on the sign of relu(-0.0) "
             "(pytorch/pytorch#181533); decide which one 'bit-exact' follows on CUDA."
         )
+
+
+def test_bench_runs_on_cuda(tmp_path):
+    """The CUDA timing path of the benchmark, every section, at tiny sizes:
+    figures follow from their rounds, and the memory worker uses CUDA's counters."""
+    import math
+    import statistics
+
+    from relu_ext.bench import cli
+
+    res = cli.main(["--device", "cuda", "--sizes", "4096,65537", "--rounds", "2", "--budget", "0.01", "--quick",
+                    "--out", str(tmp_path), "--name", "cuda", "--no-progress"])
+    assert res["environment"]["gpu"] and (tmp_path / "cuda.json").exists()
+    for r in res["kernels"] + res["small"]:
+        for c in r["results"].values():
+            assert len(c["rounds_s"]) == 2 and c["median_s"] > 0
+            assert math.isclose(c["gbs"], c["bytes"] / statistics.median(c["rounds_s"]) / 1e9)
+    if res["environment"]["triton"]:
+        assert any("triton" in r["results"] for r in res["kernels"])
+    methods = {m["peak_method"] for r in res["memory"]["models"] for m in r["results"].values()}
+    assert methods == {"torch.cuda.max_memory_allocated"}

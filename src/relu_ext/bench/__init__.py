@@ -1,0 +1,53 @@
+"""relu_ext benchmark: every peer timed in the same run, interleaved, against a copy's bandwidth.
+
+    python -m relu_ext.bench [--device cpu|cuda] [--dtypes float32,bfloat16]
+                             [--sizes 65536,...] [--what kernels,small,memory,models]
+                             [--impls torch,torch_out,compile,triton,seed,relu_ext]
+                             [--rounds N] [--budget S] [--max-spread F] [--quick]
+                             [--malloc steady|as-is]
+                             [--out DIR] [--name NAME] [--no-files]
+
+Sections (--what):
+  kernels  per dtype and size: fwd (no grad), fwd (train: what a training
+           forward writes), bwd (from what the forward saved), fwd+bwd
+           (autograd.grad) and in-place, for every implementation, plus a
+           copy_ into a preallocated buffer: the bandwidth ceiling.
+  small    per call at 1K-64K elements, the fixed cost of a call: no-grad
+           forward and fwd+bwd of the function (torch.relu / relu_ext.relu)
+           and of the module (nn.ReLU / relu_ext.ReLU).
+  memory   bytes saved for backward per element, and the peak memory of one
+           training step of three small models, one fresh process per
+           implementation.
+  models   time of one training step (forward, loss, backward, SGD) of the
+           same models with each activation.
+
+Implementations (--impls): torch (torch.relu / nn.ReLU), torch_out (torch.clamp
+with out=, forward only), compile (torch.compile of F.relu), triton (a Triton
+ReLU, CUDA only), seed (the tutorial autograd.Function: clamp, then
+grad[x < 0] = 0), relu_ext. On CPU, seed and compile (2-25x slower than torch)
+are timed up to 16M elements in the kernel section.
+
+Timing: per dtype and size, every implementation of every case and the copy
+run interleaved in --rounds rounds (one block of calls each per round, the
+order shuffled each round), so load that comes and goes hits all alike. A figure is the
+median over the rounds; "vs torch" (time / torch's time, <1: faster) and
+"% of copy" are medians of the per-round ratios. CPU: torch.utils.benchmark's
+Timer with torch's thread count; CUDA: triton.testing.do_bench (L2 flushed
+before each call), or CUDA events. GB/s counts the bytes each implementation
+must move at least (the relu_ext mask: 1 bit per element). By default
+(--malloc steady) the process's glibc malloc reuses freed memory of every
+size, as a caching allocator does: interleaving otherwise resets glibc's
+adaptive thresholds, and whether a call pays page faults on its fresh output
+would depend on what ran before it. --malloc as-is keeps glibc's defaults
+(allocating ops of 32 MiB and more then page-fault on every call).
+
+Trust: a figure whose rounds disagree (interquartile range above --max-spread
+of the median) is marked ~; a row whose copy ran below half of the best copy
+this run measured at that dtype and size is marked ! (the machine was busy).
+The marks are in the tables, in the JSON ("marks") and hollow in the plot; a
+busy machine (load average at least half the CPUs) is warned about at start.
+
+Writes NAME.json (every figure, every round, and the environment) and NAME.png
+(GB/s vs size per dtype and case, per-call time of small tensors, memory) into
+--out (default bench/out, ignored by git; NAME has date and time).
+"""

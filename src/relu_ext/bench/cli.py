@@ -1,0 +1,200 @@
+"""The command line: `python -m relu_ext.bench` (see relu_ext/bench/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+import relu_ext
+
+from . import __doc__ as DOC
+from . import models, peers, report, timing
+
+SECTIONS = ["kernels", "small", "memory", "models"]
+SMALL_SIZES = [2**k for k in range(10, 17)]
+DEFAULT_SIZES = {"cpu": [4**k for k in range(8, 14)], "cuda": [4**k for k in range(8, 15)]}
+# On CPU the seed and compile peers run 2-25x slower than torch (a call of
+# theirs at 64M elements takes up to a second): timed up to this size.
+SLOW_PEERS = ("seed", "compile")
+SLOW_PEERS_MAX = {"cpu": 2**24, "cuda": None}
+QUICK_SIZES = {"cpu": [2**16, 2**20, 2**22], "cuda": [2**20, 2**24, 2**28]}
+QUICK_SMALL_SIZES = [2**10, 2**14, 2**16]
+DEFAULTS = {"rounds": 5, "budget": 0.25, "small_budget": 0.1}
+QUICK = {"rounds": 3, "budget": 0.04, "small_budget": 0.03}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m relu_ext.bench", description=DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--sizes", help="comma-separated element counts for the kernel section "
+                                   "(default: 64K-64M on CPU, 64K-256M on CUDA; --quick: three sizes). "
+                                   "On CPU, seed and compile are timed up to 16M elements")
+    p.add_argument("--what", default=",".join(SECTIONS), help=f"sections, from {SECTIONS}")
+    p.add_argument("--impls", default=",".join(peers.IMPLS), help="implementations (triton: CUDA only)")
+    p.add_argument("--rounds", type=int, help=f"interleaved rounds per row (default {DEFAULTS['rounds']}, "
+                                              f"--quick {QUICK['rounds']})")
+    p.add_argument("--budget", type=float, help=f"seconds per figure, split over the rounds (default "
+                                                f"{DEFAULTS['budget']}, small section {DEFAULTS['small_budget']}; "
+                                                f"--quick {QUICK['budget']})")
+    p.add_argument("--max-spread", type=float, default=timing.MAX_SPREAD,
+                   help="mark a figure whose rounds' interquartile range exceeds this fraction of its median")
+    p.add_argument("--malloc", choices=["steady", "as-is"], default="steady",
+                   help="steady (default): glibc reuses freed memory of every size, as a caching allocator does, "
+                        "so the figures are the kernels'; as-is: glibc's defaults, where allocating ops of 32 MiB "
+                        "and more pay page faults on every call")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run in under a minute on 2 cores: three sizes per section, fewer and shorter "
+                        "rounds, tiny models")
+    p.add_argument("--out", default=os.path.join("bench", "out"),
+                   help="folder for NAME.json and NAME.png (default: bench/out, which git ignores; "
+                        "`make bench-results` writes to the committed bench/results on purpose)")
+    p.add_argument("--name", help="file name stem (default: device-model-dateTtime)")
+    p.add_argument("--no-files", action="store_true", help="print the tables only")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress on stderr (default: a bar on a terminal, else a line every 15 s)")
+    p.add_argument("--peak-worker", help=argparse.SUPPRESS)
+    return p
+
+
+def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Parsed arguments and the run's configuration, defaults filled in."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.peak_worker:
+        return args, {}
+    what = args.what.split(",")
+    unknown = (set(what) - set(SECTIONS)) | (set(args.impls.split(",")) - set(peers.IMPLS))
+    if unknown:
+        p.error(f"unknown section or implementation: {sorted(unknown)}")
+    if args.device not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: relu_ext has kernels for cpu and cuda")
+    if args.device == "cuda" and not relu_ext.cuda_available():
+        p.error("--device cuda needs a relu_ext built with its CUDA kernels")
+    for d in args.dtypes.split(","):
+        if not isinstance(getattr(torch, d, None), torch.dtype) or d not in ("float32", "float64", "float16", "bfloat16"):
+            p.error(f"--dtypes: {d!r} is not one of float32, float64, float16, bfloat16")
+    base = QUICK if args.quick else DEFAULTS
+    rounds = base["rounds"] if args.rounds is None else args.rounds
+    if rounds < 1:
+        p.error(f"--rounds {rounds}: must be at least 1")
+    if args.budget is not None and args.budget <= 0:
+        p.error(f"--budget {args.budget}: must be above 0 seconds")
+    default_sizes = (QUICK_SIZES if args.quick else DEFAULT_SIZES)[args.device]
+    config = {
+        "device": args.device,
+        "dtypes": args.dtypes.split(","),
+        "sizes": [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes,
+        "small_sizes": QUICK_SMALL_SIZES if args.quick else SMALL_SIZES,
+        "what": what,
+        "impls": [i for i in args.impls.split(",") if i in peers.available_impls(args.device)],
+        "rounds": rounds,
+        "budget_s": args.budget or base["budget"],
+        "small_budget_s": args.budget or base["small_budget"],
+        "max_spread": args.max_spread,
+        "copy_low": timing.COPY_LOW,
+        "slow_peers_max": SLOW_PEERS_MAX[args.device],
+        "quick": args.quick,
+        "malloc": args.malloc,
+    }
+    return args, config
+
+
+def impls_at(n: int, impls: list[str], slow_peers_max: int | None) -> list[str]:
+    """The implementations timed at n elements."""
+    return [i for i in impls if slow_peers_max is None or n <= slow_peers_max or i not in SLOW_PEERS]
+
+
+def run_rows(section: str, device: str, dtypes: list[torch.dtype], sizes: list[int], impls: list[str],
+             rounds: int, budget_s: float, max_spread: float, progress: timing.Progress,
+             slow_peers_max: int | None = None) -> list[dict[str, Any]]:
+    """One row per dtype, size and case. Per dtype and size, every case's
+    implementations and the copy run interleaved in the same rounds."""
+    cases_of = peers.small_cases if section == "small" else peers.kernel_cases
+    rows = []
+    for dtype in dtypes:
+        for n in sizes:
+            x = torch.randn(n, dtype=dtype, device=device)
+            buf = torch.empty_like(x)
+            cases = cases_of(x, impls_at(n, impls, slow_peers_max))
+            fns = {("copy", "copy"): lambda: buf.copy_(x)}
+            fns.update({(case, impl): fn for case, v in cases.items() for impl, (fn, _) in v.items()})
+            label = f"{section} {str(dtype).removeprefix('torch.')} {report.size_label(n)}"
+            samples = timing.interleave(fns, device, rounds, budget_s, lambda k: progress.step(f"{label} {k[0]} {k[1]}"))
+            for case, v in cases.items():
+                meta = {"section": section, "device": device, "dtype": str(dtype).removeprefix("torch."), "numel": n,
+                        "case": case, "copy_bytes": 2 * n * x.element_size()}
+                results = {impl: (samples[(case, impl)], nbytes) for impl, (_, nbytes) in v.items()}
+                rows.append(timing.make_row(meta, samples[("copy", "copy")], results, max_spread))
+            del x, buf, cases, fns
+    return rows
+
+
+def _steps(config: dict[str, Any]) -> int:
+    """How many progress steps the run takes."""
+    impls, device = config["impls"], config["device"]
+    zeros = torch.zeros(8, device=device)
+    per_size = [1 + sum(map(len, peers.kernel_cases(zeros, impls_at(n, impls, config["slow_peers_max"])).values()))
+                for n in config["sizes"]]
+    per_small = 1 + sum(len(v) for v in peers.small_cases(zeros, impls).values())
+    model_impls = [i for i in models.MODEL_IMPLS if i in impls]
+    what = config["what"]
+    return config["rounds"] * (("kernels" in what) * len(config["dtypes"]) * sum(per_size)
+                               + ("small" in what) * len(config["small_sizes"]) * per_small
+                               + ("models" in what) * len(models.MODELS) * len(model_impls)) \
+        + ("memory" in what) * (len(config["dtypes"]) + len(model_impls))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the benchmark; prints the tables, writes NAME.json and NAME.png
+    unless --no-files; returns what the JSON holds."""
+    args, config = configure(argv)
+    if args.peak_worker:
+        print(json.dumps(models.peak_worker(json.loads(args.peak_worker))))
+        return {}
+    env = report.environment(config["device"])
+    env["malloc"] = timing.steady_malloc() if config["malloc"] == "steady" else "as is (glibc defaults)"
+    warning = timing.load_warning(env["load_start"])
+    if warning:
+        print(warning, file=sys.stderr)
+    mode = ("bar" if sys.stderr.isatty() else "lines") if args.progress is not False else "off"
+    progress = timing.Progress(_steps(config), mode)
+    device, impls, rounds, what = config["device"], config["impls"], config["rounds"], config["what"]
+    dtypes = [getattr(torch, d) for d in config["dtypes"]]
+    result: dict[str, Any] = {"environment": env, "config": config}
+    if "kernels" in what:
+        result["kernels"] = run_rows("kernels", device, dtypes, config["sizes"], impls, rounds, config["budget_s"],
+                                     config["max_spread"], progress, config["slow_peers_max"])
+    if "small" in what:
+        result["small"] = run_rows("small", device, dtypes[:1], config["small_sizes"], impls, rounds,
+                                   config["small_budget_s"], config["max_spread"], progress)
+    if "memory" in what:
+        result["memory"] = models.run_memory(device, dtypes, impls, config["quick"], progress)
+    if "models" in what:
+        result["models"] = models.run_models(device, impls, rounds, config["budget_s"], config["quick"], progress,
+                                             config["max_spread"])
+    rows = result.get("kernels", []) + result.get("small", [])
+    timing.mark_copy_low(rows, config["copy_low"])
+    result["trust"] = dict(timing.trust_summary(rows, result.get("models", [])), max_spread=config["max_spread"],
+                           copy_low=config["copy_low"])
+    env["load_end"] = timing.load_average()  # includes this run's own threads
+
+    print(report.format_tables(result))
+    if not args.no_files:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, args.name or report.default_name(env))
+        with open(stem + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {stem}.json")
+        panels = report.plot(result, stem + ".png")
+        if panels is None:
+            print("no plot: matplotlib is not installed (pip install matplotlib)")
+        elif panels:
+            print(f"wrote {stem}.png")
+    return result

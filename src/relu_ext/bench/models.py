@@ -1,0 +1,196 @@
+"""Three small models with each activation: training step time, bytes saved
+for backward, and peak memory of one training step (in a fresh process)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import peers, timing
+
+MODELS = ["mlp", "mlp_dropout", "cnn_maxpool"]
+MODEL_IMPLS = ["torch", "seed", "relu_ext"]
+
+
+def build_model(name: str, impl: str, quick: bool) -> nn.Sequential:
+    """The three models; `impl` picks the activation module."""
+    act = peers.MODULES[impl]
+    w = 256 if quick else 2048
+    if name == "mlp":  # ReLU -> Linear: Linear saves the ReLU output anyway
+        return nn.Sequential(nn.Linear(256, w), act(), nn.Linear(w, w), act(), nn.Linear(w, 10))
+    if name == "mlp_dropout":  # ReLU -> Dropout: the ReLU output is saved by nothing else
+        return nn.Sequential(nn.Linear(256, w), act(), nn.Dropout(0.1), nn.Linear(w, w), act(), nn.Dropout(0.1),
+                             nn.Linear(w, 10))
+    if name == "cnn_maxpool":  # ReLU -> MaxPool2d: max-pool saves its input (the ReLU output) itself
+        c = 8 if quick else 32
+        return nn.Sequential(nn.Conv2d(3, c, 3, padding=1), act(), nn.MaxPool2d(2), nn.Conv2d(c, 2 * c, 3, padding=1),
+                             act(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2 * c * 8 * 8, 10))
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def model_batch(name: str, purpose: str, quick: bool) -> int:
+    """Batch size for timing ("time") or for the memory figures ("memory"):
+    large enough there that activations, not weights, make the peak."""
+    if quick:
+        return 16
+    big = purpose == "memory"
+    return (2048 if big else 512) if name.startswith("mlp") else (256 if big else 64)
+
+
+def model_step(name: str, impl: str, device: str, batch: int, quick: bool,
+               seed: int = 0) -> tuple[nn.Module, Tensor, Callable[[], Tensor]]:
+    """(model, input, step()) where step runs forward, cross-entropy, backward and SGD."""
+    torch.manual_seed(seed)
+    model = build_model(name, impl, quick).to(device)
+    shape = (batch, 256) if name.startswith("mlp") else (batch, 3, 32, 32)
+    x = torch.randn(shape, device=device)
+    target = torch.randint(0, 10, (batch,), device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x), target)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, x, step
+
+
+def saved_bytes(fn: Callable[[], Tensor], exclude: Sequence[Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while fn runs
+    (storages of `exclude`, e.g. parameters and the input batch, not counted)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def saved_bytes_per_element(device: str, dtype: torch.dtype, impls: list[str], n: int = 1 << 20) -> dict[str, float]:
+    """What one activation keeps for backward, per element of its input."""
+    out = {}
+    for impl in impls:
+        if impl == "torch_out":
+            continue
+        x = torch.randn(n, dtype=dtype, device=device).requires_grad_()
+        act = peers.activation(impl)
+        act(x)  # compile / first-call work outside the measurement
+        out[impl] = saved_bytes(lambda: act(x)) / n
+    return out
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def peak_worker(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """For each model of spec["models"] with spec["impl"], in this (fresh)
+    process, one after the other: the peak memory of one training step above
+    what was live before it, and the bytes saved for backward.
+
+    CUDA: torch.cuda.max_memory_allocated. CPU: growth of the resident-set
+    high-water mark (VmHWM, reset through /proc/self/clear_refs), with glibc
+    told to mmap every block of 64 KiB or more, so that freed tensors leave the
+    process at once and the RSS follows the live tensors (a model freed before
+    the next leaves nothing behind).
+    """
+    device = spec["device"]
+    if device == "cpu":
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    out = {}
+    for name in spec["models"]:
+        model, x, step = model_step(name, spec["impl"], device, spec["batches"][name], spec["quick"])
+        step()  # gradients and optimizer buffers exist from here on
+        params = list(model.parameters())
+        saved = saved_bytes(lambda: F.cross_entropy(model(x), torch.zeros(len(x), dtype=torch.long, device=device)),
+                            params + [x])
+        out[name] = {"saved_bytes": saved, **_peak_of(step, device)}
+        del model, x, step, params
+    return out
+
+
+def _peak_of(step: Callable[[], Tensor], device: str) -> dict[str, Any]:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return {"peak_bytes": torch.cuda.max_memory_allocated() - before, "peak_method": "torch.cuda.max_memory_allocated"}
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        before = _rss_bytes("VmRSS")
+        step()
+        # Linux syncs per-thread RSS counters every 64 page faults, so the
+        # figures are good to about 256 KiB per thread: tiny models can read
+        # slightly below zero, which means "below resolution".
+        return {"peak_bytes": max(0, _rss_bytes("VmHWM") - before),
+                "peak_method": "VmHWM growth (resolution ~256 KiB), glibc mmap threshold 64 KiB"}
+    except OSError as err:
+        return {"peak_bytes": None, "peak_method": f"unavailable: {err}"}
+
+
+def run_memory(device: str, dtypes: list[torch.dtype], impls: list[str], quick: bool,
+               progress: timing.Progress) -> dict[str, Any]:
+    """Bytes saved per element for each dtype, and each model's saved bytes
+    and peak: one fresh process per implementation."""
+    per_element = []
+    for dtype in dtypes:
+        progress.step(f"memory saved bytes {dtype}")
+        per_element.append({"dtype": str(dtype).removeprefix("torch."),
+                            "bytes_per_element": saved_bytes_per_element(device, dtype, impls)})
+    batches = {name: model_batch(name, "memory", quick) for name in MODELS}
+    rows = [{"model": name, "batch": batches[name], "dtype": "float32", "results": {}} for name in MODELS]
+    for impl in [i for i in MODEL_IMPLS if i in impls]:
+        progress.step(f"memory models {impl}")
+        spec = {"models": MODELS, "batches": batches, "impl": impl, "device": device, "quick": quick}
+        out = subprocess.run([sys.executable, "-m", "relu_ext.bench", "--peak-worker", json.dumps(spec)],
+                             capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"memory worker for {spec} failed:\n{out.stderr[-3000:]}")
+        per_model = json.loads(out.stdout.strip().splitlines()[-1])
+        for row in rows:
+            row["results"][impl] = per_model[row["model"]]
+    for row in rows:
+        base = row["results"].get("torch")
+        for r in row["results"].values():
+            r["saved_vs_torch"] = r["saved_bytes"] / base["saved_bytes"] if base else None
+            r["peak_vs_torch"] = (r["peak_bytes"] / base["peak_bytes"]
+                                  if base and base["peak_bytes"] and r["peak_bytes"] is not None else None)
+    return {"saved_per_element": per_element, "models": rows}
+
+
+def run_models(device: str, impls: list[str], rounds: int, budget_s: float, quick: bool,
+               progress: timing.Progress, max_spread: float = timing.MAX_SPREAD) -> list[dict[str, Any]]:
+    """Training step time of each model, the activations interleaved in rounds."""
+    rows = []
+    for name in MODELS:
+        batch = model_batch(name, "time", quick)
+        steps = {impl: model_step(name, impl, device, batch, quick)[2] for impl in MODEL_IMPLS if impl in impls}
+        samples = timing.interleave(steps, device, rounds, budget_s, lambda impl: progress.step(f"models {name} {impl}"))
+        results = {impl: timing.summarize(s, max_spread) for impl, s in samples.items()}
+        for impl, r in results.items():
+            r["vs_torch"] = timing.paired(samples[impl], samples["torch"]) if "torch" in samples else None
+        rows.append({"model": name, "batch": batch, "dtype": "float32", "results": results})
+    return rows

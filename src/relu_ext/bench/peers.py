@@ -1,0 +1,210 @@
+"""The implementations timed against each other, and what each case runs.
+
+torch (torch.relu / nn.ReLU), torch_out (torch.clamp with out=, forward only),
+compile (torch.compile of F.relu), triton (a plain Triton ReLU, CUDA only),
+seed (the tutorial autograd.Function: clamp, then grad[x < 0] = 0), relu_ext.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import relu_ext
+
+ops = torch.ops.relu_ext
+IMPLS = ["torch", "torch_out", "compile", "triton", "seed", "relu_ext"]
+CASES = ["fwd", "fwd (train)", "bwd", "fwd+bwd", "in-place"]
+SMALL_CASES = ["fwd", "fwd+bwd", "module fwd", "module fwd+bwd"]
+
+# {case: {impl: (fn, bytes it must move at least)}}
+Cases = dict[str, dict[str, tuple[Callable[[], object], int]]]
+
+
+class SeedReLU(torch.autograd.Function):
+    """The tutorial ReLU: saves its input and masks the gradient by indexing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return seed_grad(grad, x)
+
+
+def seed_grad(grad: Tensor, x: Tensor) -> Tensor:
+    """The tutorial's backward: a copy of the gradient, zeroed where x < 0."""
+    grad = grad.clone()
+    grad[x < 0] = 0
+    return grad
+
+
+class SeedReLUModule(nn.Module):
+    """SeedReLU as a module, for the models."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return SeedReLU.apply(x)
+
+
+MODULES: dict[str, type[nn.Module]] = {"torch": nn.ReLU, "relu_ext": relu_ext.ReLU, "seed": SeedReLUModule}
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_relu() -> Callable[[Tensor], Tensor]:
+    """torch.compile(F.relu), dynamic from the start: one compile per dtype and
+    grad mode instead of one per size (each costs seconds on 2 cores)."""
+    return torch.compile(F.relu, dynamic=True)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_relu() -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor], type] | None:
+    """(forward, backward(grad, y), autograd.Function) of a plain Triton ReLU,
+    or None without triton. Contiguous tensors only. Runs on CPU tensors under
+    TRITON_INTERPRET=1 (how the tests check it)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    block = 1024
+
+    @triton.jit
+    def fwd_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < n
+        x = tl.load(x_ptr + offs, mask=keep)
+        tl.store(y_ptr + offs, tl.where(x < 0, 0.0, x).to(x.dtype), mask=keep)
+
+    @triton.jit
+    def bwd_kernel(g_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < n
+        g = tl.load(g_ptr + offs, mask=keep)
+        y = tl.load(y_ptr + offs, mask=keep)
+        tl.store(out_ptr + offs, tl.where(y <= 0, 0.0, g).to(g.dtype), mask=keep)
+
+    def forward(x: Tensor) -> Tensor:
+        assert x.is_contiguous()
+        y = torch.empty_like(x)
+        fwd_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), BLOCK=block)
+        return y
+
+    def backward(grad: Tensor, y: Tensor) -> Tensor:
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        bwd_kernel[(triton.cdiv(grad.numel(), block),)](grad, y, out, grad.numel(), BLOCK=block)
+        return out
+
+    class TritonReLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> Tensor:
+            y = forward(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> Tensor:
+            return backward(grad, ctx.saved_tensors[0])
+
+    return forward, backward, TritonReLU
+
+
+def available_impls(device: str) -> list[str]:
+    """The implementations that run on `device` here (triton: CUDA with triton)."""
+    out = list(IMPLS)
+    if device != "cuda" or triton_relu() is None:
+        out.remove("triton")
+    return out
+
+
+def activation(impl: str) -> Callable[[Tensor], Tensor]:
+    """The differentiable activation of each implementation."""
+    if impl == "torch":
+        return torch.relu
+    if impl == "compile":
+        return compiled_relu()
+    if impl == "triton":
+        return triton_relu()[2].apply
+    if impl == "seed":
+        return SeedReLU.apply
+    if impl == "relu_ext":
+        return relu_ext.relu
+    raise ValueError(f"{impl} has no autograd path")
+
+
+def _no_grad(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with torch.no_grad():
+            return fn()
+
+    return run
+
+
+def fwd_bwd_bytes(impl: str, n: int, e: int) -> int:
+    """Forward reads x, writes y; backward reads what was saved and the
+    gradient, writes grad_in. relu_ext saves 1 bit per element."""
+    return 4 * n * e + 2 * ((n + 7) // 8) if impl == "relu_ext" else 5 * n * e
+
+
+def kernel_cases(x: Tensor, impls: list[str]) -> Cases:
+    """The kernel section's cases for one input."""
+    n, e = x.numel(), x.element_size()
+    mask_bytes = (n + 7) // 8
+    g = torch.randn_like(x)
+    y_ref = torch.relu(x)
+    _, mask = ops.relu_fwd(x)
+    xg = x.detach().clone().requires_grad_()
+    buf = x.clone()
+    out = torch.empty_like(x)
+    cases: Cases = {c: {} for c in CASES}
+    for impl in impls:
+        if impl == "torch_out":
+            cases["fwd"][impl] = (_no_grad(lambda: torch.clamp(x, min=0, out=out)), 2 * n * e)
+            continue
+        act = activation(impl)
+        cases["fwd"][impl] = (_no_grad(functools.partial(act, x)), 2 * n * e)
+        cases["fwd+bwd"][impl] = (lambda act=act: torch.autograd.grad(act(xg), xg, g), fwd_bwd_bytes(impl, n, e))
+        if impl == "torch":
+            cases["fwd (train)"][impl] = (functools.partial(torch.relu, xg), 2 * n * e)
+            cases["bwd"][impl] = (lambda: torch.ops.aten.threshold_backward(g, y_ref, 0), 3 * n * e)
+            cases["in-place"][impl] = (_no_grad(lambda: torch.relu_(buf)), 2 * n * e)
+        elif impl == "seed":
+            cases["fwd (train)"][impl] = (functools.partial(SeedReLU.apply, xg), 2 * n * e)
+            cases["bwd"][impl] = (lambda: seed_grad(g, x), 3 * n * e)
+        elif impl == "triton":
+            cases["bwd"][impl] = (lambda: triton_relu()[1](g, y_ref), 3 * n * e)
+        elif impl == "relu_ext":
+            cases["fwd (train)"][impl] = (lambda: ops.relu_fwd(x), 2 * n * e + mask_bytes)
+            cases["bwd"][impl] = (lambda: ops.relu_bwd(g, mask), 2 * n * e + mask_bytes)
+            cases["in-place"][impl] = (_no_grad(lambda: relu_ext.relu(buf, inplace=True)), 2 * n * e)
+    return {c: v for c, v in cases.items() if v}
+
+
+def small_cases(x: Tensor, impls: list[str]) -> Cases:
+    """The per-call (small tensor) cases: function and module, no-grad forward
+    and forward+backward."""
+    n, e = x.numel(), x.element_size()
+    g = torch.randn_like(x)
+    xg = x.detach().clone().requires_grad_()
+    cases: Cases = {c: {} for c in SMALL_CASES}
+    for impl in impls:
+        if impl == "torch_out":
+            continue
+        act = activation(impl)
+        # x needs no grad: the plain call is the no-grad forward (no no_grad() context to time).
+        # Lambdas, not partials, so that every implementation is called from Python code, as users do.
+        cases["fwd"][impl] = (lambda act=act: act(x), 2 * n * e)
+        cases["fwd+bwd"][impl] = (lambda act=act: torch.autograd.grad(act(xg), xg, g), fwd_bwd_bytes(impl, n, e))
+        if impl in MODULES:
+            module = MODULES[impl]()
+            cases["module fwd"][impl] = (lambda m=module: m(x), 2 * n * e)
+            cases["module fwd+bwd"][impl] = (lambda m=module: torch.autograd.grad(m(xg), xg, g),
+                                             fwd_bwd_bytes(impl, n, e))
+    return {c: v for c, v in cases.items() if v}
