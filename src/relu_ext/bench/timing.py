@@ -163,6 +163,9 @@ def steady_malloc() -> str:
     of page faults, for torch and relu_ext alike). Returns what was done."""
     try:
         libc = ctypes.CDLL("libc.so.6")
+        used, glibc = (ctypes.cast(lib.malloc, ctypes.c_void_p).value for lib in (ctypes.CDLL(None), libc))
+        if used != glibc:  # LD_PRELOAD-ed jemalloc, tcmalloc, ASan: mallopt would do nothing
+            return "as is (malloc is not glibc's: interposed)"
         if libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**31 - 1) == 1:  # M_MMAP_MAX, M_TRIM_THRESHOLD
             return "steady: glibc mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB (freed memory reused)"
     except (OSError, AttributeError):
