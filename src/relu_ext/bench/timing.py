@@ -160,7 +160,10 @@ def steady_malloc() -> str:
     and sometimes not). With every block reused, the figures are the kernels'
     and alike for every implementation. `--malloc as-is` keeps glibc's
     defaults (allocating ops of 16M+ float32 elements then run at the speed
-    of page faults, for torch and relu_ext alike). Returns what was done."""
+    of page faults, for torch and relu_ext alike). Not perfect: PyTorch asks
+    for 64-byte-aligned blocks, which a freed block of the same size does not
+    always fit, so the heap can grow (and fault) for a few calls before it
+    settles. Returns what was done."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         used, glibc = (ctypes.cast(lib.malloc, ctypes.c_void_p).value for lib in (ctypes.CDLL(None), libc))
