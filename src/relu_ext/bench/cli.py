@@ -78,7 +78,7 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
     if args.device == "cuda" and not relu_ext.cuda_available():
         p.error("--device cuda needs a relu_ext built with its CUDA kernels")
     for d in args.dtypes.split(","):
-        if not isinstance(getattr(torch, d, None), torch.dtype) or d not in ("float32", "float64", "float16", "bfloat16"):
+        if d not in ("float32", "float64", "float16", "bfloat16"):
             p.error(f"--dtypes: {d!r} is not one of float32, float64, float16, bfloat16")
     base = QUICK if args.quick else DEFAULTS
     rounds = base["rounds"] if args.rounds is None else args.rounds
@@ -125,10 +125,10 @@ def run_rows(section: str, device: str, dtypes: list[torch.dtype], sizes: list[i
             cases = cases_of(x, impls_at(n, impls, slow_peers_max))
             fns = {("copy", "copy"): lambda: buf.copy_(x)}
             fns.update({(case, impl): fn for case, v in cases.items() for impl, (fn, _) in v.items()})
-            label = f"{section} {str(dtype).removeprefix('torch.')} {report.size_label(n)}"
+            label = f"{section} {peers.dtype_name(dtype)} {report.size_label(n)}"
             samples = timing.interleave(fns, device, rounds, budget_s, lambda k: progress.step(f"{label} {k[0]} {k[1]}"))
             for case, v in cases.items():
-                meta = {"section": section, "device": device, "dtype": str(dtype).removeprefix("torch."), "numel": n,
+                meta = {"section": section, "device": device, "dtype": peers.dtype_name(dtype), "numel": n,
                         "case": case, "copy_bytes": 2 * n * x.element_size()}
                 results = {impl: (samples[(case, impl)], nbytes) for impl, (_, nbytes) in v.items()}
                 rows.append(timing.make_row(meta, samples[("copy", "copy")], results, max_spread))

@@ -157,8 +157,8 @@ def run_memory(device: str, dtypes: list[torch.dtype], impls: list[str], quick: 
     and peak: one fresh process per implementation."""
     per_element = []
     for dtype in dtypes:
-        progress.step(f"memory saved bytes {dtype}")
-        per_element.append({"dtype": str(dtype).removeprefix("torch."),
+        progress.step(f"memory saved bytes {peers.dtype_name(dtype)}")
+        per_element.append({"dtype": peers.dtype_name(dtype),
                             "bytes_per_element": saved_bytes_per_element(device, dtype, impls)})
     batches = {name: model_batch(name, "memory", quick) for name in MODELS}
     rows = [{"model": name, "batch": batches[name], "dtype": "float32", "results": {}} for name in MODELS]

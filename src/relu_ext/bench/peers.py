@@ -116,6 +116,11 @@ def triton_relu() -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor]
     return forward, backward, TritonReLU
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: how tables, JSON and labels name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def available_impls(device: str) -> list[str]:
     """The implementations that run on `device` here (triton: CUDA with triton)."""
     out = list(IMPLS)

@@ -232,20 +232,24 @@ def _series(ax: Any, pts: list[tuple[int, float, bool]], impl: str) -> None:
         ax.plot(*zip(*hollow), "o", ms=7, mfc="none", color=style["color"], label="_marked")
 
 
+def _all_series(ax: Any, rows: list[dict[str, Any]], value: Callable[[dict[str, Any]], float]) -> None:
+    """One line per implementation through `value` of its result in each row
+    (rows sorted by size); a figure is marked when it or its row is."""
+    for impl in peers.IMPLS:
+        _series(ax, [(r["numel"], value(r["results"][impl]), bool(r["marks"] or r["results"][impl]["marks"]))
+                     for r in rows if impl in r["results"]], impl)
+
+
 def _gbs_panel(ax: Any, rows: list[dict[str, Any]], title: str) -> tuple[str, str]:
     rows = sorted(rows, key=lambda r: r["numel"])
     ax.plot([r["numel"] for r in rows], [r["copy_gbs"] for r in rows], "k--", label="copy (ceiling)")
-    for impl in peers.IMPLS:
-        _series(ax, [(r["numel"], r["results"][impl]["gbs"], bool(r["marks"] or r["results"][impl]["marks"]))
-                     for r in rows if impl in r["results"]], impl)
+    _all_series(ax, rows, lambda c: c["gbs"])
     return _axes(ax, title, "GB/s (higher is better)", log_y=False)
 
 
 def _small_panel(ax: Any, rows: list[dict[str, Any]], case: str) -> tuple[str, str]:
     rows = sorted((r for r in rows if r["case"] == case), key=lambda r: r["numel"])
-    for impl in peers.IMPLS:
-        _series(ax, [(r["numel"], r["results"][impl]["median_s"] * 1e6, bool(r["marks"] or r["results"][impl]["marks"]))
-                     for r in rows if impl in r["results"]], impl)
+    _all_series(ax, rows, lambda c: c["median_s"] * 1e6)
     return _axes(ax, f"per call: {rows[0]['dtype']} {case}", "µs per call (lower is better)", log_y=True)
 
 
