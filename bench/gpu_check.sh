@@ -13,6 +13,9 @@
 #             memcheck runs with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (real allocation bounds)
 #   bench     python3 -m relu_ext.bench --device cuda --out DIR --name bench (bench.json, bench.png;
 #             its printed tables go to the end of summary.txt)
+#   unroll    the kernel section at 16M and 256M elements (float32, bfloat16; torch, relu_ext and the
+#             copy) once per compiled unroll of relu_ext's CUDA kernels (--cuda-unroll 1, 2, 4): which
+#             one to make the default (tables at the end of summary.txt, ~1-2 min)
 # It refuses at once (exit 3, one line, nothing built) when no GPU is visible: nvidia-smi missing or
 # failing, or torch.cuda.is_available() False. It records the environment (env.json), runs every step
 # asked for even after a failed one (except that nothing runs after a failed build), prints a summary
@@ -20,8 +23,8 @@
 #
 # Options:
 #   --out DIR              results folder (default: bench/results/gpu-<device-slug>-<date>/)
-#   --steps LIST           comma-separated, from build,test,sanitize,bench (default: all four, in that
-#                          order). Without build, a missing CUDA build is built first (a fresh machine).
+#   --steps LIST           comma-separated, from build,test,sanitize,bench,unroll (default: all five, in
+#                          that order). Without build, a missing CUDA build is built first (a fresh machine).
 #   --quick                smaller bench: sizes 64K,1M,16M,256M, sections kernels,small, budget 0.2 s
 #   --deadline SECONDS     stop starting steps, and stop a running one, so the whole run ends by then
 #                          (with 20 s kept for the summary); a step cut short is a TIMEOUT (failed)
@@ -38,9 +41,9 @@
 # cores for one arch). Times are estimates: nothing has been measured on a GPU yet.
 #   call 1, ~5-8 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,test --deadline 570
 #   call 2, ~4-6 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,sanitize --deadline 570
-#   call 3, ~6-8 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,bench --deadline 570
-#                      (add --quick if call 3 times out: ~3-4 min)
-# On a machine without a time limit, `bash bench/gpu_check.sh` runs all four steps (~15-20 min) into
+#   call 3, ~7-9 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,bench,unroll --deadline 570
+#                      (add --quick if call 3 times out: ~4-5 min)
+# On a machine without a time limit, `bash bench/gpu_check.sh` runs all five steps (~15-20 min) into
 # bench/results/gpu-<device-slug>-<date>/.
 set -euo pipefail
 
@@ -57,14 +60,17 @@ SANITIZER_TESTS=(
   "tests/test_exact.py::test_gradient_select_not_product[torch.float16-cuda]"
   "tests/test_exact.py::test_integer_dtypes_like_torch[4097-torch.int8-cuda]"
   "tests/test_exact.py::test_expanded_gradient[cuda]"
-  "tests/test_cuda.py::test_kernels_match_cpu_kernels[torch.float32]"
-  "tests/test_cuda.py::test_kernels_match_cpu_kernels[torch.bfloat16]"
+  "tests/test_cuda.py::test_kernels_match_cpu_kernels[unroll4-torch.float32]"
+  "tests/test_cuda.py::test_kernels_match_cpu_kernels[unroll2-torch.bfloat16]"
   "tests/test_cuda.py::test_side_stream[torch.float32]"
   "tests/test_cuda.py::test_cuda_graph_replay_ops[torch.float16]"
   "tests/test_cuda.py::test_cuda_graph_replay_autograd[out_of_place-torch.float32]"
 )
-STEP_NAMES=(build test sanitize bench)
+STEP_NAMES=(build test sanitize bench unroll)
 QUICK_BENCH_ARGS=(--sizes 65536,1048576,16777216,268435456 --what kernels,small --budget 0.2)
+UNROLLS=(1 2 4)  # what csrc/relu_cuda.cu compiles (set_cuda_unroll)
+UNROLL_BENCH_ARGS=(--what kernels --impls torch,relu_ext --sizes 16777216,268435456 --dtypes float32,bfloat16
+                   --rounds 3 --budget 0.1 --no-files --no-progress)
 SANITIZER_ERROR_EXIT=99  # not 1, so that "the sanitizer found errors" differs from "a test failed"
 RESERVE_S=20             # kept for the summary under --deadline
 
@@ -107,7 +113,7 @@ else
   IFS=',' read -r -a _steps <<<"$STEPS_ARG"
   for s in "${_steps[@]}"; do
     case "$s" in
-      build|test|sanitize|bench) WANT[$s]=1 ;;
+      build|test|sanitize|bench|unroll) WANT[$s]=1 ;;
       *) die_usage "unknown step '$s' in --steps (steps: ${STEP_NAMES[*]})" ;;
     esac
   done
@@ -124,6 +130,7 @@ BENCH_EXTRA=()
 if [ -n "${BENCH_ARGS:-}" ]; then read -r -a _b <<<"$BENCH_ARGS"; BENCH_EXTRA+=("${_b[@]}"); fi
 
 SANITIZER_TESTS_LIST="${SANITIZER_TESTS[*]}" BENCH_EXTRA_LIST="${BENCH_EXTRA[*]}"
+UNROLLS_LIST="${UNROLLS[*]}" UNROLL_BENCH_ARGS_LIST="${UNROLL_BENCH_ARGS[*]}"
 
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 [ -d "$CUDA_HOME/bin" ] && export CUDA_HOME PATH="$PATH:$CUDA_HOME/bin"
@@ -141,6 +148,7 @@ sanitizer_cmd() {  # tool
        "--report-api-errors no --print-limit 50 $PYTHON -m pytest -q -p no:cacheprovider <the $count tests below>"
 }
 bench_cmd() { echo "$PYTHON -m relu_ext.bench --device cuda --out $1 --name bench --no-progress $BENCH_EXTRA_LIST"; }
+unroll_cmd() { echo "$PYTHON -m relu_ext.bench --device cuda --cuda-unroll $1 $UNROLL_BENCH_ARGS_LIST"; }
 
 if [ "$DRY_RUN" = 1 ]; then
   results=${OUT_DIR:-$REPO/bench/results/gpu-<device-slug>-$(date +%Y-%m-%d)}
@@ -158,6 +166,9 @@ if [ "$DRY_RUN" = 1 ]; then
     printf '                 %s\n' "${SANITIZER_TESTS[@]}"
   fi
   [ -n "${WANT[bench]:-}" ] && echo "step bench:    $(bench_cmd "$results")  (tables into summary.txt)"
+  if [ -n "${WANT[unroll]:-}" ]; then
+    for k in "${UNROLLS[@]}"; do echo "step unroll:   $(unroll_cmd "$k")  (tables into summary.txt)"; done
+  fi
   echo "summary:    $results/summary.txt"
   exit 0
 fi
@@ -248,7 +259,7 @@ EOF
 # Each step runs in its own bash (so that `timeout` can stop it with its children);
 # these functions and variables travel there.
 export REPO R PYTHON ARCH JOBS SANITIZER_ERROR_EXIT SANITIZER_BIN
-export SANITIZER_TESTS_LIST BENCH_EXTRA_LIST
+export SANITIZER_TESTS_LIST BENCH_EXTRA_LIST UNROLLS_LIST UNROLL_BENCH_ARGS_LIST
 
 step_build() {
   set -euo pipefail
@@ -319,7 +330,20 @@ step_bench() {
   "$PYTHON" -m relu_ext.bench --device cuda --out "$R" --name bench --no-progress "${extra[@]}"
   [ -s "$R/bench.json" ] || { echo "gpu_check: FAIL: no bench.json written"; return 1; }
 }
-export -f step_build check_build step_test step_sanitize step_bench build_cmd test_cmd sanitizer_cmd bench_cmd
+step_unroll() {  # every unroll even after a failed one
+  set -uo pipefail
+  cd "$REPO"
+  local k rc=0
+  read -r -a args <<<"$UNROLL_BENCH_ARGS_LIST"
+  for k in $UNROLLS_LIST; do
+    echo "==== relu_ext's CUDA kernels with unroll $k ($(date -u +%FT%TZ))"
+    echo "\$ $(unroll_cmd "$k")"
+    "$PYTHON" -m relu_ext.bench --device cuda --cuda-unroll "$k" "${args[@]}" || { echo "==== unroll $k: FAILED"; rc=1; }
+  done
+  return $rc
+}
+export -f step_build check_build step_test step_sanitize step_bench step_unroll build_cmd test_cmd sanitizer_cmd \
+  bench_cmd unroll_cmd
 
 ROWS=()     # "name|result|seconds|log|note"
 FAILED=0
@@ -362,6 +386,7 @@ note_sanitize() {  # from the last tool's section of the shared log only
     | grep -E "ERROR SUMMARY|^==== [a-z]+: " | sed -E 's/^=+ *//; s/^[a-z]+: //' | paste -sd';' - | cut -c1-100
 }
 note_bench() { [ -s "$R/bench.json" ] && echo "bench.json, bench.png; tables at the end of summary.txt" || echo "exit $2"; }
+note_unroll() { echo "unroll ${UNROLLS[*]}: tables at the end of summary.txt"; }
 
 build_present() {
   "$PYTHON" -c '# gpu_check:has-build
@@ -398,6 +423,10 @@ if [ -n "${WANT[bench]:-}" ]; then
   if [ $BUILD_OK = 1 ]; then : >"$R/bench.log"; LOG_LABEL=summary.txt run_step bench "$R/bench.log" note_bench step_bench
   else skip_after_build bench; fi
 fi
+if [ -n "${WANT[unroll]:-}" ]; then
+  if [ $BUILD_OK = 1 ]; then : >"$R/unroll.log"; LOG_LABEL=summary.txt run_step unroll "$R/unroll.log" note_unroll step_unroll
+  else skip_after_build unroll; fi
+fi
 
 # --- summary ------------------------------------------------------------------------
 {
@@ -414,6 +443,10 @@ fi
 if [ -f "$R/bench.log" ]; then  # the bench's tables, kept in the summary (one file fewer in $OUT)
   { echo; echo "==== bench output (python -m relu_ext.bench)"; cat "$R/bench.log"; } >>"$R/summary.txt"
   rm -f "$R/bench.log"
+fi
+if [ -f "$R/unroll.log" ]; then  # likewise
+  { echo; echo "==== unroll comparison (python -m relu_ext.bench --cuda-unroll K)"; cat "$R/unroll.log"; } >>"$R/summary.txt"
+  rm -f "$R/unroll.log"
 fi
 echo
 sed -n '1,/^overall:/p' "$R/summary.txt"

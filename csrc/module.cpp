@@ -1,5 +1,5 @@
 // The Python module relu_ext._C: how the extension was built, the CPU kernel
-// choice, the eager entry point of relu_ext.relu, and the Python type of the
+// choice, the CUDA kernels' unroll, the eager entry point of relu_ext.relu, and the Python type of the
 // backward node (so that grad_fn prints as ReluExtBackward0 and exposes its
 // saved mask, like PyTorch's own nodes).
 #include <torch/csrc/Exceptions.h>
@@ -68,6 +68,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", &cpu_isa, "CPU kernel set in use: 'avx2' or 'scalar'.");
   m.def("set_cpu_isa", &set_cpu_isa, pybind11::arg("name"),
         "Choose the CPU kernel set: 'auto' (best this CPU has), 'avx2' or 'scalar'.");
+  // Declared in every build (the type stub lists them); without CUDA kernels they say so.
+  m.def(
+      "cuda_unroll",
+      []() -> int {
+#ifdef WITH_CUDA
+        return cuda_unroll();
+#else
+        TORCH_CHECK(false, "relu_ext: cuda_unroll: this build has no CUDA kernels");
+        return 0;
+#endif
+      },
+      "Rows per warp and loop iteration of the CUDA vector kernels.");
+  m.def(
+      "set_cuda_unroll",
+      [](int64_t rows) {
+#ifdef WITH_CUDA
+        set_cuda_unroll(rows);
+#else
+        TORCH_CHECK(false, "relu_ext: set_cuda_unroll(", rows, "): this build has no CUDA kernels");
+#endif
+      },
+      pybind11::arg("rows"),
+      "Choose the CUDA kernels' unroll: 1, 2 or 4 rows of 32 16-byte vectors per warp and iteration "
+      "(each thread then has that many 16-byte loads in flight). For tests and tuning.");
   m.def(
       "relu",
       [](pybind11::handle input, bool inplace) {

@@ -84,6 +84,10 @@ void set_cpu_isa(const std::string& name);
 void forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask);
 void forward_int_cuda(const at::Tensor& x, const at::Tensor& y);
 void backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in);
+// Rows of 32 16-byte vectors a warp loads per loop iteration in the vector
+// kernels (1, 2 or 4; all three are compiled): for tests and tuning.
+int cuda_unroll();
+void set_cuda_unroll(int64_t rows);
 #endif
 
 }  // namespace relu_ext

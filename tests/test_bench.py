@@ -237,7 +237,7 @@ def test_configuration_defaults_quick_and_overrides():
 
 @pytest.mark.parametrize("argv", [["--impls", "torch,nope"], ["--what", "kernels,speed"], ["--rounds", "0"],
                                   ["--dtypes", "int32"], ["--dtypes", "float33"], ["--device", "mps"],
-                                  ["--malloc", "jemalloc"]])
+                                  ["--malloc", "jemalloc"], ["--cuda-unroll", "3"], ["--cuda-unroll", "2"]])
 def test_bad_arguments_are_named(argv, capsys):
     with pytest.raises(SystemExit):
         cli.configure(["--device", "cpu"] + argv)
@@ -246,7 +246,8 @@ def test_bad_arguments_are_named(argv, capsys):
 
 def test_help_lists_the_flags():
     text = cli.parser().format_help()
-    for flag in ("--rounds", "--budget", "--max-spread", "--quick", "--out", "--no-files", "--what", "--impls"):
+    for flag in ("--rounds", "--budget", "--max-spread", "--quick", "--out", "--no-files", "--what", "--impls",
+                 "--cuda-unroll"):
         assert flag in text
     assert "interleaved" in text and "marked" in text
 

@@ -43,8 +43,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU vi
 
 ops = torch.ops.relu_ext
 
-# Launch geometry of csrc/relu_cuda.cu (kThreads, kBlocksPerSm; 16-byte vectors).
-THREADS, BLOCKS_PER_SM, MAX_V = 256, 8, 8
+# Launch geometry of csrc/relu_cuda.cu: kThreads, at most 2048 threads per SM
+# resident (the grid's limit), 16-byte vectors, the unrolls it compiles.
+THREADS, MAX_BLOCKS_PER_SM, UNROLLS = 256, 8, (1, 2, 4)
 
 
 def _caching_allocator_enabled() -> bool:
@@ -117,26 +118,39 @@ def _poison(*nbytes: int) -> None:
     del blocks
 
 
-def _grid_stride_size() -> int:
-    """More elements than three passes of the largest grid (8 per thread), not a multiple of 8."""
+def _grid_stride_size(dtype: torch.dtype, unroll: int) -> int:
+    """More elements than two passes of the largest grid the vector kernels
+    can have (V = 16 / itemsize elements per vector, `unroll` vectors per
+    thread and pass), not a multiple of 8."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 3 * sms * BLOCKS_PER_SM * THREADS * MAX_V + 77
+    v = 16 // torch.empty(0, dtype=dtype).element_size()
+    return 2 * sms * MAX_BLOCKS_PER_SM * THREADS * v * unroll + 77
 
 
-# Around every tile edge of the vector kernels: a warp's tile is 32 * V elements
-# (V = 2, 4, 8 for float64, float32, 16-bit types) and a mask word 32 elements.
+@pytest.fixture(params=UNROLLS, ids=lambda k: f"unroll{k}")
+def unroll(request):
+    """Runs a test once per compiled unroll of the CUDA vector kernels."""
+    previous = relu_ext._C.cuda_unroll()
+    relu_ext._C.set_cuda_unroll(request.param)
+    yield request.param
+    relu_ext._C.set_cuda_unroll(previous)
+
+
+# Around every edge of the vector kernels: a warp's row is 32 * V elements
+# (V = 2, 4, 8 for float64, float32, 16-bit types), its group of rows per
+# iteration 32 * V * K (K = 1, 2, 4: up to 1024), a mask word 32 elements.
 EDGE_SIZES = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513,
-              1000, 4099]
+              1000, 1023, 1024, 1025, 2047, 2048, 2049, 4099]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kernels_match_cpu_kernels(dtype):
+def test_kernels_match_cpu_kernels(dtype, unroll):
     """relu, relu_fwd (values and mask bytes), relu_bwd, relu_ and relu_fwd_ on
     CUDA equal relu_ext's CPU kernels bit for bit (these equal torch.relu on
     the CPU, tested elsewhere), aligned and unaligned (x[1:]: scalar kernels),
-    at tile edges and past several grid-stride passes."""
+    at tile edges and past several grid-stride passes, for every unroll."""
     isz = torch.empty(0, dtype=dtype).element_size()
-    for n in EDGE_SIZES + [_grid_stride_size()]:
+    for n in EDGE_SIZES + [_grid_stride_size(dtype, unroll)]:
         base = adversarial(n + 1, dtype, seed=n)
         g_base = adversarial(n + 1, dtype, seed=n + 1)
         for off in (0, 1):
@@ -508,9 +522,14 @@ def test_bench_runs_on_cuda(tmp_path):
 
     from relu_ext.bench import cli
 
-    res = cli.main(["--device", "cuda", "--sizes", "4096,65537", "--rounds", "2", "--budget", "0.01", "--quick",
-                    "--out", str(tmp_path), "--name", "cuda", "--no-progress"])
+    previous = relu_ext._C.cuda_unroll()
+    try:
+        res = cli.main(["--device", "cuda", "--sizes", "4096,65537", "--rounds", "2", "--budget", "0.01", "--quick",
+                        "--cuda-unroll", "1", "--out", str(tmp_path), "--name", "cuda", "--no-progress"])
+    finally:
+        relu_ext._C.set_cuda_unroll(previous)
     assert res["environment"]["gpu"] and (tmp_path / "cuda.json").exists()
+    assert res["environment"]["relu_ext"]["cuda_unroll"] == 1
     for r in res["kernels"] + res["small"]:
         for c in r["results"].values():
             assert len(c["rounds_s"]) == 2 and c["median_s"] > 0

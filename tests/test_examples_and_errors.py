@@ -128,6 +128,30 @@ def test_bad_cpu_isa_name():
         _C.set_cpu_isa("sse9")
 
 
+@pytest.mark.skipif(not _C.with_cuda, reason="built without CUDA kernels")
+def test_cuda_unroll_choice():
+    """The CUDA kernels' unroll (tests and tuning) takes 1, 2 or 4, nothing else."""
+    previous = _C.cuda_unroll()
+    try:
+        for rows in (1, 2, 4):
+            _C.set_cuda_unroll(rows)
+            assert _C.cuda_unroll() == rows
+        for bad in (0, 3, 8, -1):
+            with pytest.raises(ValueError, match=f"takes 1, 2 or 4 rows per warp, not {bad}"):
+                _C.set_cuda_unroll(bad)
+            assert _C.cuda_unroll() == 4
+    finally:
+        _C.set_cuda_unroll(previous)
+
+
+@pytest.mark.skipif(_C.with_cuda, reason="this build has CUDA kernels")
+def test_cuda_unroll_without_cuda_kernels():
+    for call in (_C.cuda_unroll, lambda: _C.set_cuda_unroll(2)):
+        with pytest.raises(RuntimeError, match="this build has no CUDA kernels"):
+            call()
+    assert relu_ext.build_info()["cuda_unroll"] is None
+
+
 # --- module API ---------------------------------------------------------------
 
 def test_module_is_a_drop_in():

@@ -79,7 +79,7 @@ def test_help_documents_usage_and_device_tool_calls():
     out = run("--help")
     assert out.returncode == 0, out.stderr
     for needle in ("Usage:", "--out DIR", "--steps", "--quick", "--dry-run", "--deadline",
-                   '--out "$OUT" --steps build,test', "--steps build,sanitize", "--steps build,bench",
+                   '--out "$OUT" --steps build,test', "--steps build,sanitize", "--steps build,bench,unroll",
                    "pip install --no-build-isolation", "compute-sanitizer", "relu_ext.bench --device cuda"):
         assert needle in out.stdout, needle
     assert "set -euo" not in out.stdout, "the help should stop at the header"
@@ -160,6 +160,8 @@ def test_dry_run_lists_every_step_and_touches_nothing(tmp_path):
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck" in text
     assert "--target-processes all" in text
     assert f"-m relu_ext.bench --device cuda --out {tmp_path / 'results'} --name bench" in text
+    for k in (1, 2, 4):
+        assert f"-m relu_ext.bench --device cuda --cuda-unroll {k} --what kernels --impls torch,relu_ext" in text
     for node in sanitizer_selection():
         assert node in text
     assert not (tmp_path / "results").exists() and not log.exists()
@@ -226,9 +228,14 @@ case "$1" in
         for a in "$@"; do case "$a" in --junitxml=*) echo "<testsuites/>" > "${a#--junitxml=}" ;; esac; done
         echo "2 failed, 900 passed, 40 skipped in 100.00s"; exit "${FAKE_TEST_RC:-0}" ;;
       relu_ext.bench)
-        out=. name=x
-        while [ $# -gt 0 ]; do case "$1" in --out) out=$2; shift ;; --name) name=$2; shift ;; esac; shift; done
-        echo "STAND-IN KERNEL TABLE"; echo "{}" > "$out/$name.json"; echo png > "$out/$name.png"; exit 0 ;;
+        out=. name=x files=1 unroll=default
+        while [ $# -gt 0 ]; do
+          case "$1" in --out) out=$2; shift ;; --name) name=$2; shift ;; --no-files) files=0 ;; --cuda-unroll) unroll=$2; shift ;; esac
+          shift
+        done
+        echo "STAND-IN KERNEL TABLE unroll=$unroll"
+        [ "$files" = 1 ] && { echo "{}" > "$out/$name.json"; echo png > "$out/$name.png"; }
+        exit "${FAKE_BENCH_RC:-0}" ;;
     esac ;;
 esac
 echo "stand-in python: unexpected call: $*" >&2
@@ -284,10 +291,13 @@ def test_a_failed_test_step_does_not_stop_sanitizer_and_bench(stand_ins):
     out = run("--out", str(results), env=dict(env, FAKE_TEST_RC="1"))
     assert out.returncode == 1, out.stdout + out.stderr
     assert _summary_rows(results) == {"build": "PASS", "test": "FAIL", "sanitize:memcheck": "PASS",
-                                      "sanitize:racecheck": "PASS", "sanitize:synccheck": "PASS", "bench": "PASS"}
+                                      "sanitize:racecheck": "PASS", "sanitize:synccheck": "PASS", "bench": "PASS",
+                                      "unroll": "PASS"}
     summary = (results / "summary.txt").read_text()
     assert "overall: FAIL" in summary and "2 failed, 900 passed" in summary
-    assert "STAND-IN KERNEL TABLE" in summary, "the bench's tables belong at the end of the summary"
+    assert "STAND-IN KERNEL TABLE unroll=default" in summary, "the bench's tables belong at the end of the summary"
+    for k in (1, 2, 4):
+        assert f"STAND-IN KERNEL TABLE unroll={k}" in summary
     files = sorted(p.name for p in results.iterdir())
     assert files == ["bench.json", "bench.png", "build.log", "env.json", "junit.xml", "sanitizer.log", "summary.txt",
                      "tests.log"]
@@ -317,7 +327,7 @@ def test_a_failed_build_skips_the_rest(stand_ins):
     assert out.returncode == 1
     assert _summary_rows(results) == {"build": "FAIL", "test": "SKIPPED", "sanitize:memcheck": "SKIPPED",
                                       "sanitize:racecheck": "SKIPPED", "sanitize:synccheck": "SKIPPED",
-                                      "bench": "SKIPPED"}
+                                      "bench": "SKIPPED", "unroll": "SKIPPED"}
     calls = log.read_text()
     assert "-m pytest" not in calls and "relu_ext.bench" not in calls and "compute-sanitizer --tool" not in calls
 
@@ -330,6 +340,17 @@ def test_sanitizer_errors_fail_their_row(stand_ins):
                                       "sanitize:synccheck": "PASS"}
     assert "SANITIZER ERRORS" in (results / "sanitizer.log").read_text()
     assert "SANITIZER ERRORS" in (results / "summary.txt").read_text()
+
+
+def test_unroll_step_runs_every_unroll_even_after_a_failure(stand_ins):
+    env, log, results = stand_ins
+    out = run("--out", str(results), "--steps", "unroll", env=dict(env, FAKE_BENCH_RC="1"))
+    assert out.returncode == 1
+    assert _summary_rows(results) == {"unroll": "FAIL"}
+    calls = [c for c in log.read_text().splitlines() if "relu_ext.bench" in c]
+    assert [re.search(r"--cuda-unroll (\d)", c).group(1) for c in calls] == ["1", "2", "4"]
+    assert all("--no-files" in c for c in calls)
+    assert sorted(p.name for p in results.iterdir()) == ["env.json", "summary.txt"]
 
 
 @pytest.mark.parametrize("has_build", [True, False])

@@ -16,6 +16,14 @@ def cpu_isa() -> str:
 def set_cpu_isa(name: str) -> None:
     """Choose the CPU kernel set: 'auto' (best this CPU has), 'avx2' or 'scalar'."""
 
+def cuda_unroll() -> int:
+    """Rows per warp and loop iteration of the CUDA vector kernels (1, 2 or 4).
+    Raises RuntimeError in a build without CUDA kernels."""
+
+def set_cuda_unroll(rows: int) -> None:
+    """Choose the CUDA kernels' unroll: 1, 2 or 4 (ValueError otherwise). For
+    tests and tuning. Raises RuntimeError in a build without CUDA kernels."""
+
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
     """relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op)."""
 

@@ -63,7 +63,9 @@ def build_info() -> dict[str, Any]:
     """How this extension was built and what it runs with.
 
     ``cpu_only_reason`` says why a build has no CUDA kernels (None when it has
-    them); ``cuda_arch_source`` where its GPU architecture list came from.
+    them); ``cuda_arch_source`` where its GPU architecture list came from;
+    ``cuda_unroll`` the CUDA kernels' rows per warp and iteration (None
+    without CUDA kernels).
     """
     from . import _C
 
@@ -73,6 +75,7 @@ def build_info() -> dict[str, Any]:
         "cuda_arch_list": _config.CUDA_ARCH_LIST,
         "cuda_arch_source": _config.CUDA_ARCH_SOURCE,
         "cpu_isa": _C.cpu_isa(),
+        "cuda_unroll": _C.cuda_unroll() if _C.with_cuda else None,
         "built_with_torch": _config.TORCH_VERSION,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,

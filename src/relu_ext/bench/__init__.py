@@ -4,7 +4,7 @@
                              [--sizes 65536,...] [--what kernels,small,memory,models]
                              [--impls torch,torch_out,compile,triton,seed,relu_ext]
                              [--rounds N] [--budget S] [--max-spread F] [--quick]
-                             [--malloc steady|as-is]
+                             [--malloc steady|as-is] [--cuda-unroll 1|2|4]
                              [--out DIR] [--name NAME] [--no-files]
 
 Sections (--what):

@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
                    help="steady (default): glibc reuses freed memory of every size, as a caching allocator does, "
                         "so the figures are the kernels'; as-is: glibc's defaults, where allocating ops of 32 MiB "
                         "and more pay page faults on every call")
+    p.add_argument("--cuda-unroll", type=int, choices=[1, 2, 4],
+                   help="rows of 16-byte vectors each warp of relu_ext's CUDA kernels loads per iteration "
+                        "(tuning: compare the compiled choices; default: the built-in one)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run in under a minute on 2 cores: three sizes per section, fewer and shorter "
                         "rounds, tiny models")
@@ -77,6 +80,10 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
         p.error(f"--device {args.device}: relu_ext has kernels for cpu and cuda")
     if args.device == "cuda" and not relu_ext.cuda_available():
         p.error("--device cuda needs a relu_ext built with its CUDA kernels")
+    if args.cuda_unroll is not None:
+        if args.device != "cuda":
+            p.error(f"--cuda-unroll {args.cuda_unroll}: applies to --device cuda only")
+        relu_ext._C.set_cuda_unroll(args.cuda_unroll)
     for d in args.dtypes.split(","):
         if d not in ("float32", "float64", "float16", "bfloat16"):
             p.error(f"--dtypes: {d!r} is not one of float32, float64, float16, bfloat16")
