@@ -110,22 +110,34 @@ __device__ __forceinline__ void store(U* p, int64_t base, int64_t n, const Pack<
   }
 }
 
+// The kernels' loop: groups of K rows of 32 * V elements, grid-stride, one
+// group per warp at a time. body(row, lane) runs with the group's first row;
+// lane `lane` has the V elements from row * 32 * V + lane * V in each row.
+// The group is the same for the whole warp, so every lane reaches every
+// ballot in the body.
+template <int V, int K, typename Body>
+__device__ __forceinline__ void for_each_group(int64_t n, Body&& body) {
+  constexpr int64_t kGroup = int64_t(32) * V * K;
+  const int lane = threadIdx.x & 31;
+  const int64_t ngroups = (n + kGroup - 1) / kGroup;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t grp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; grp < ngroups; grp += nwarps) {
+    body(grp * K, lane);
+  }
+}
+
 template <typename U, U kInf, int V, int K>
 __global__ void __launch_bounds__(kThreads)
     fwd_kernel(const U* x, U* y, uint8_t* mask, int64_t n) {  // x may alias y: no __restrict__
   using P = Pack<U, V>;
   constexpr int64_t kRow = 32 * V;
-  const int lane = threadIdx.x & 31;
-  const int64_t ngroups = (n + kRow * K - 1) / (kRow * K);
-  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
-  // grp is the same for the whole warp, so every lane reaches every ballot.
-  for (int64_t grp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; grp < ngroups; grp += nwarps) {
+  for_each_group<V, K>(n, [&](int64_t row0, int lane) {
     P in[K];
 #pragma unroll
-    for (int k = 0; k < K; ++k) in[k] = load<U, V>(x, (grp * K + k) * kRow + lane * V, n);
+    for (int k = 0; k < K; ++k) in[k] = load<U, V>(x, (row0 + k) * kRow + lane * V, n);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t row = grp * K + k;
+      const int64_t row = row0 + k;
       P out;
       uint32_t ballot[V];
 #pragma unroll
@@ -146,7 +158,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-  }
+  });
 }
 
 template <typename U, int V, int K>
@@ -154,15 +166,12 @@ __global__ void __launch_bounds__(kThreads)
     bwd_kernel(const U* __restrict__ g, const uint8_t* __restrict__ mask, U* __restrict__ out, int64_t n) {
   using P = Pack<U, V>;
   constexpr int64_t kRow = 32 * V;
-  const int lane = threadIdx.x & 31;
-  const int64_t ngroups = (n + kRow * K - 1) / (kRow * K);
-  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t grp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; grp < ngroups; grp += nwarps) {
+  for_each_group<V, K>(n, [&](int64_t row0, int lane) {
     P in[K];
     uint32_t bits[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t base = ((grp * K + k) * 32 + lane) * V;
+      const int64_t base = (row0 + k) * kRow + lane * V;
       in[k] = load<U, V>(g, base, n);
       bits[k] = base < n ? mask[base >> 3] >> (base & 7) : 0u;  // V divides 8: all V bits in this byte
     }
@@ -171,9 +180,9 @@ __global__ void __launch_bounds__(kThreads)
       P o;
 #pragma unroll
       for (int j = 0; j < V; ++j) o.v[j] = ((bits[k] >> j) & 1u) ? in[k].v[j] : U(0);
-      store<U, V>(out, ((grp * K + k) * 32 + lane) * V, n, o);
+      store<U, V>(out, (row0 + k) * kRow + lane * V, n, o);
     }
-  }
+  });
 }
 
 // Integers: no mask, no bit tricks; one element per thread, grid-stride.
