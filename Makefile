@@ -7,11 +7,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.14.1
+# Real models for the tests and the benchmark (built from configs, random weights):
+# torchvision pairs with torch's version, transformers is pinned for repeatable runs.
+TORCHVISION_VERSION ?= 0.29.1
+TRANSFORMERS_VERSION ?= 5.18.0
 PY := $(VENV)/bin/python
 # A non-wrapper nvcc for torch's build (setup.py also defaults this).
 export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 
-DEPS := torch==$(TORCH_VERSION) ninja numpy pytest hypothesis matplotlib onnx onnxruntime onnxscript
+DEPS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) transformers==$(TRANSFORMERS_VERSION) \
+	ninja numpy pytest hypothesis matplotlib onnx onnxruntime onnxscript
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*) $(wildcard src/relu_ext/*.py src/relu_ext/bench/*.py)
@@ -54,13 +59,14 @@ test-sanitize: $(DEPS_STAMP)
 # The GPU machines run torch 2.11: build against it too (with the CUDA kernels
 # where nvcc exists, as in the main build) and run the whole CPU suite there.
 OLD_TORCH ?= 2.11.0
+OLD_TORCHVISION ?= 0.26.0
 OLD_VENV ?= .venv-torch$(OLD_TORCH)
 OLD_PY := $(OLD_VENV)/bin/python
 OLD_STAMP := $(OLD_VENV)/.deps-$(words $(DEPS))
 $(OLD_STAMP):
 	$(PYTHON) -m venv $(OLD_VENV)
 	$(OLD_PY) -m pip install -q --upgrade pip setuptools wheel
-	$(OLD_PY) -m pip install -q torch==$(OLD_TORCH) $(filter-out torch==%,$(DEPS))
+	$(OLD_PY) -m pip install -q torch==$(OLD_TORCH) torchvision==$(OLD_TORCHVISION) $(filter-out torch==% torchvision==%,$(DEPS))
 	touch $@
 test-torch-old: $(OLD_STAMP)
 	$(OLD_PY) -c "import torch; assert torch.__version__.startswith('$(OLD_TORCH)'), torch.__version__"

@@ -2,7 +2,8 @@
 // (VariableType and the generated backward nodes): when no gradient and no
 // tangent is needed, straight to the mask-free kernel; otherwise the
 // mask-writing forward, a ReluExtBackward0 node holding only the mask, and the
-// tangent masked the same way (forward-mode AD).
+// tangent masked the same way (forward-mode AD). relu / relu_ pass a tensor
+// relu_ext has no kernel for (sparse, quantized, nested, ...) to aten::relu.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -109,8 +110,10 @@ at::Tensor differentiable_fwd_(at::Tensor& x, bool grad, bool tangent) {
   return mask;
 }
 
+}  // namespace
+
 at::Tensor relu_autograd(const at::Tensor& x) {
-  check_layout_and_device(x, "relu_ext::relu", "x");
+  if (!has_kernel_for(x)) return at::relu(x);  // PyTorch's own: values, gradients and errors
   const bool grad = ag::compute_requires_grad(x);
   const bool tangent = ag::isFwGradDefined(x);
   if (!grad && !tangent) {
@@ -121,7 +124,10 @@ at::Tensor relu_autograd(const at::Tensor& x) {
 }
 
 void relu_autograd_(at::Tensor& x) {
-  check_layout_and_device(x, "relu_ext::relu_", "x");
+  if (!has_kernel_for(x)) {
+    at::relu_(x);
+    return;
+  }
   const bool grad = ag::compute_requires_grad(x);
   const bool tangent = ag::isFwGradDefined(x);
   ag::check_inplace(x, grad);  // PyTorch's errors for a leaf, or a view of one, that requires grad
@@ -131,6 +137,8 @@ void relu_autograd_(at::Tensor& x) {
   }
   differentiable_fwd_(x, grad, tangent);
 }
+
+namespace {
 
 // The training pieces are differentiable too, so that no op of the library
 // silently drops a gradient; the mask itself is not differentiable.

@@ -1,5 +1,6 @@
 // The Python module relu_ext._C: how the extension was built, the CPU kernel
-// choice, the CUDA kernels' unroll, the eager entry point of relu_ext.relu, and the Python type of the
+// choice, the CUDA kernels' unroll, the eager entry point of relu_ext.relu,
+// install / uninstall (install.cpp), and the Python type of the
 // backward node (so that grad_fn prints as ReluExtBackward0 and exposes its
 // saved mask, like PyTorch's own nodes).
 #include <torch/csrc/Exceptions.h>
@@ -101,6 +102,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       pybind11::arg("input"), pybind11::arg("inplace") = false,
       "relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op).");
+
+  m.def("install", &install, "Register relu_ext's kernels for aten::relu and aten::relu_ (idempotent).");
+  m.def("uninstall", &uninstall, "Remove them: PyTorch's own kernels are back (idempotent).");
+  m.def("installed", &installed, "Whether relu_ext's kernels are registered for aten::relu.");
 
   torch::autograd::_initFunctionPyTypeObject(node_type, "ReluExtBackward0", node_properties, /*methods: the default ones*/ nullptr);
   Py_INCREF(&node_type);

@@ -35,6 +35,12 @@ void check_layout_and_device(const at::Tensor& t, const char* op, const char* ar
               "; relu_ext has kernels for CPU and CUDA tensors only");
 }
 
+bool has_kernel_for(const at::Tensor& x) {
+  const auto dev = x.device().type();
+  return x.layout() == at::kStrided && !x.is_quantized() && !x.is_nested() &&
+         (dev == at::kCPU || dev == at::kCUDA || dev == at::kMeta);
+}
+
 namespace {
 
 bool is_float(at::ScalarType t) {
@@ -104,17 +110,24 @@ void forward_inplace(at::Tensor& x, uint8_t* mask) {
   x.copy_(xd);
 }
 
-// --- CPU / CUDA kernels ------------------------------------------------------
+}  // namespace
 
-at::Tensor relu(const at::Tensor& x) {
+bool is_relu_dtype(at::ScalarType t) { return is_float(t) || is_int(t); }
+
+// --- CPU / CUDA kernels ------------------------------------------------------
+// (relu_kernel / relu_kernel_ are also what install() runs for aten::relu.)
+
+at::Tensor relu_kernel(const at::Tensor& x) {
   check_input(x, "relu_ext::relu", "x", /*ints=*/true);
   return forward_new(x, nullptr);
 }
 
-void relu_(at::Tensor& x) {
+void relu_kernel_(at::Tensor& x) {
   check_input(x, "relu_ext::relu_", "x", /*ints=*/true);
   forward_inplace(x, nullptr);
 }
+
+namespace {
 
 std::tuple<at::Tensor, at::Tensor> relu_fwd(const at::Tensor& x) {
   check_input(x, "relu_ext::relu_fwd", "x", /*ints=*/false);
@@ -248,8 +261,8 @@ TORCH_LIBRARY(relu_ext, m) {
 
 // The wrappers pick the kernel from the tensor's device, so both keys share them.
 TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
-  m.impl("relu", &relu);
-  m.impl("relu_", &relu_);
+  m.impl("relu", &relu_kernel);
+  m.impl("relu_", &relu_kernel_);
   m.impl("relu_fwd", &relu_fwd);
   m.impl("relu_fwd_", &relu_fwd_);
   m.impl("relu_bwd", &relu_bwd);
@@ -257,8 +270,8 @@ TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
 
 TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
 #ifdef WITH_CUDA
-  m.impl("relu", &relu);
-  m.impl("relu_", &relu_);
+  m.impl("relu", &relu_kernel);
+  m.impl("relu_", &relu_kernel_);
   m.impl("relu_fwd", &relu_fwd);
   m.impl("relu_fwd_", &relu_fwd_);
   m.impl("relu_bwd", &relu_bwd);

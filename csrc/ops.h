@@ -44,6 +44,29 @@ RELU_EXT_OP_HANDLE(relu_bwd_op, "relu_bwd", ReluBwdFn)
 // the ... backend".
 void check_layout_and_device(const at::Tensor& t, const char* op, const char* arg);
 
+// Whether relu_ext has kernels for x's kind of tensor: strided, not quantized,
+// not nested, on CPU, CUDA or meta. The public ops relu / relu_ hand any other
+// tensor (sparse, mkldnn, quantized, nested, another device) to PyTorch's
+// aten::relu / aten::relu_, so that it gets exactly what torch.relu gives.
+bool has_kernel_for(const at::Tensor& x);
+// float32/64, float16, bfloat16 and the integer types relu / relu_ take.
+bool is_relu_dtype(at::ScalarType t);
+
+// The kernels of the public ops, for install.cpp: relu_kernel / relu_kernel_
+// are the CPU and CUDA ones (ops.cpp), relu_autograd / relu_autograd_ the
+// Autograd ones (autograd.cpp).
+at::Tensor relu_kernel(const at::Tensor& x);
+void relu_kernel_(at::Tensor& x);
+at::Tensor relu_autograd(const at::Tensor& x);
+void relu_autograd_(at::Tensor& x);
+
+// relu_ext's kernels for aten::relu / aten::relu_ (install.cpp): install()
+// registers them with the dispatcher, uninstall() removes them; both are
+// idempotent, counting is the Python layer's.
+void install();
+void uninstall();
+bool installed();
+
 // The dense layout an op on `x` walks, hence the order of its mask bits: x's
 // own strides when x is dense, else the ones empty_like(x) picks (the layout
 // torch.relu gives its output).

@@ -26,7 +26,7 @@ TINY = ["--device", "cpu", "--rounds", "3", "--budget", "0.01", "--no-progress",
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     res = cli.main(["--device", "cpu", "--dtypes", "float32,bfloat16", "--sizes", "1024,4099", "--quick",
-                    "--rounds", "3", "--budget", "0.01", "--impls", "torch,torch_out,compile,seed,relu_ext",
+                    "--rounds", "3", "--budget", "0.01", "--impls", "torch,torch_out,compile,seed,relu_ext,installed",
                     "--out", str(out), "--name", "t", "--no-progress", "--malloc", "as-is"])
     return res, out
 
@@ -120,7 +120,7 @@ def test_small_memory_models_sections(result):
     assert [(r["numel"], r["case"]) for r in res["small"]] == [(n, c) for n in cli.QUICK_SMALL_SIZES
                                                               for c in peers.SMALL_CASES]
     for r in res["small"]:
-        want = {"torch", "compile", "seed", "relu_ext"} if not r["case"].startswith("module") else {"torch", "seed", "relu_ext"}
+        want = {"torch", "seed", "relu_ext", "installed"} | (set() if r["case"].startswith("module") else {"compile"})
         assert set(r["results"]) == want, r["case"]
         check_row(r, 3, res["config"]["max_spread"])
     per = {r["dtype"]: r["bytes_per_element"] for r in res["memory"]["saved_per_element"]}
@@ -373,3 +373,22 @@ def test_slow_peers_stop_at_their_size_on_cpu():
     assert cli.impls_at(2**28, impls, None) == impls
     _, config = cli.configure(["--device", "cpu"])
     assert config["slow_peers_max"] == 2**24 and max(config["sizes"]) == 2**26
+
+
+def test_installed_rows_run_under_install_and_only_there():
+    """install() is process-wide: the "installed" blocks run with it, every other block without."""
+    import relu_ext
+
+    states: dict[str, set[bool]] = {"plain": set(), "installed": set()}
+    fns = {"plain": lambda: states["plain"].add(relu_ext.installed()),
+           "installed": peers.installed(lambda: states["installed"].add(relu_ext.installed()))}
+    timing.interleave(fns, "cpu", rounds=3, budget_s=0.003)
+    assert states == {"plain": {False}, "installed": {True}}
+    assert not relu_ext.installed()
+
+
+def test_small_section_has_installed_rows(result):
+    res, _ = result
+    cases = {r["case"] for r in res["small"] if "installed" in r["results"]}
+    assert cases == set(peers.SMALL_CASES)
+    assert not any("installed" in r["results"] for r in res["kernels"])

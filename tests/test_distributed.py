@@ -1,4 +1,5 @@
-"""DDP (gloo, 2 processes on this machine): relu_ext.ReLU trains with the same gradients as nn.ReLU."""
+"""DDP (gloo, 2 processes on this machine): relu_ext.ReLU, and nn.ReLU under relu_ext.install(),
+train with the same gradients as nn.ReLU."""
 
 import torch
 import torch.distributed as dist
@@ -7,11 +8,22 @@ import torch.multiprocessing as mp
 import relu_ext
 
 
+def _node_names(y: torch.Tensor) -> set[str]:
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo.extend(f for f, _ in fn.next_functions)
+    return {fn.name() for fn in seen}
+
+
 def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         grads = {}
-        for name, act in (("ours", relu_ext.ReLU), ("ref", torch.nn.ReLU)):
+        for name, act in (("ours", relu_ext.ReLU), ("installed", torch.nn.ReLU), ("ref", torch.nn.ReLU)):
+            hold = relu_ext.install() if name == "installed" else None  # spawned: each process installs
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(16, 32), act(), torch.nn.Linear(32, 32), act(inplace=True),
                                         torch.nn.Linear(32, 1))
@@ -23,6 +35,9 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
                 ddp(torch.randn(8, 16)).square().mean().backward()
                 opt.step()
             grads[name] = [p.grad.clone() for p in model.parameters()] + [p.detach().clone() for p in model.parameters()]
+            grads[name + "_nodes"] = _node_names(ddp(torch.randn(2, 16)))
+            if hold is not None:
+                hold.remove()
         if rank == 0:
             torch.save(grads, out_file)
     finally:
@@ -33,6 +48,8 @@ def test_ddp_gloo_matches_nn_relu(tmp_path):
     out = tmp_path / "grads.pt"
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
     grads = torch.load(out)
-    assert len(grads["ours"]) == len(grads["ref"]) == 12
-    for a, b in zip(grads["ours"], grads["ref"]):
-        assert torch.equal(a, b)
+    assert len(grads["ours"]) == len(grads["installed"]) == len(grads["ref"]) == 12
+    for a, b, c in zip(grads["ours"], grads["installed"], grads["ref"]):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert "ReluExtBackward0" in grads["ours_nodes"] and "ReluExtBackward0" in grads["installed_nodes"]
+    assert "ReluBackward0" not in grads["installed_nodes"] and "ReluBackward0" in grads["ref_nodes"]

@@ -50,10 +50,13 @@ def test_mask_ops_refuse_integers():
         torch.ops.relu_ext.relu_fwd(x)
 
 
+# relu / relu_ hand sparse, quantized, nested, mkldnn and other-device tensors
+# to torch.relu (tests/test_install.py); the training pieces, which have no
+# PyTorch counterpart, refuse them by name.
 @pytest.mark.parametrize("make", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr], ids=["coo", "csr"])
-def test_sparse_layout(make):
+def test_sparse_layout_in_training_pieces(make):
     x = make(torch.randn(3, 3))
-    for call in (lambda: relu_ext.relu(x), lambda: relu_ext.relu(x, inplace=True), lambda: relu_ext.relu(x.requires_grad_())):
+    for call in (lambda: torch.ops.relu_ext.relu_fwd(x), lambda: torch.ops.relu_ext.relu_fwd_(x)):
         with pytest.raises(RuntimeError, match="x has layout Sparse.*supports strided \\(dense\\) tensors only"):
             call()
 
@@ -71,9 +74,9 @@ class _OnDevice(torch.Tensor):
 
 
 @pytest.mark.parametrize("device", ["xpu", "mps", "privateuseone"])
-def test_device_without_kernels_is_reported(device):
+def test_device_without_kernels_is_reported_by_training_pieces(device):
     with pytest.raises(RuntimeError, match=f"x is on {device}.*kernels for CPU and CUDA tensors only"):
-        relu_ext.relu(_OnDevice(device))
+        torch.ops.relu_ext.relu_fwd(_OnDevice(device))
 
 
 @pytest.mark.skipif(_C.with_cuda, reason="this build has CUDA kernels")

@@ -27,6 +27,15 @@ def set_cuda_unroll(rows: int) -> None:
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
     """relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op)."""
 
+def install() -> None:
+    """Register relu_ext's kernels for aten::relu and aten::relu_ (idempotent)."""
+
+def uninstall() -> None:
+    """Remove them: PyTorch's own kernels are back (idempotent)."""
+
+def installed() -> bool:
+    """Whether relu_ext's kernels are registered for aten::relu."""
+
 class ReluExtBackward0:
     """The backward node's Python type (``y.grad_fn`` of a relu_ext output)."""
 

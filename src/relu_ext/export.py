@@ -7,9 +7,13 @@
   decomposes with ``torch._decomp.decomposition_table``: ``relu`` decomposes
   to ``aten.relu``, which exporters know. (Exported programs hold no
   ``relu_``: functionalization turns it into ``relu``, see csrc/ops.cpp.)
+- :func:`aten_decompositions`: a table for ``ExportedProgram.run_decompositions``
+  that lowers relu_ext's ops to aten, so a saved program loads without relu_ext.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 import torch.onnx
@@ -30,3 +34,25 @@ torch.onnx.register_custom_op_symbolic("relu_ext::relu", _relu_symbolic, _ONNX_M
 @torch._decomp.register_decomposition(torch.ops.relu_ext.relu.default)
 def _relu_decomposition(x: Tensor) -> Tensor:
     return torch.ops.aten.relu.default(x)
+
+
+def _relu_inplace_decomposition(x: Tensor) -> None:
+    torch.ops.aten.relu_.default(x)
+
+
+def aten_decompositions() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
+    """PyTorch's default decompositions plus relu_ext's ``relu`` / ``relu_`` lowered to ``aten.relu`` / ``aten.relu_``.
+
+    For an exported program that must load where relu_ext is not installed::
+
+        ep = torch.export.export(model, args).run_decompositions(relu_ext.aten_decompositions())
+        torch.export.save(ep, "model.pt2")      # holds aten.relu, no relu_ext op
+
+    (``run_decompositions()`` without it keeps ``relu_ext.relu``, which a
+    process without relu_ext cannot load.) The training pieces ``relu_fwd``
+    / ``relu_bwd`` have no aten form; ``torch.export`` does not record them.
+    """
+    table = dict(torch.export.default_decompositions())
+    table[torch.ops.relu_ext.relu.default] = _relu_decomposition
+    table[torch.ops.relu_ext.relu_.default] = _relu_inplace_decomposition
+    return table

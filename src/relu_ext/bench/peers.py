@@ -2,7 +2,9 @@
 
 torch (torch.relu / nn.ReLU), torch_out (torch.clamp with out=, forward only),
 compile (torch.compile of F.relu), triton (a plain Triton ReLU, CUDA only),
-seed (the tutorial autograd.Function: clamp, then grad[x < 0] = 0), relu_ext.
+seed (the tutorial autograd.Function: clamp, then grad[x < 0] = 0), relu_ext,
+installed (PyTorch's own F.relu / nn.ReLU under relu_ext.install(); small
+section only: its kernels are relu_ext's).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import Tensor, nn
 import relu_ext
 
 ops = torch.ops.relu_ext
-IMPLS = ["torch", "torch_out", "compile", "triton", "seed", "relu_ext"]
+IMPLS = ["torch", "torch_out", "compile", "triton", "seed", "relu_ext", "installed"]
 CASES = ["fwd", "fwd (train)", "bwd", "fwd+bwd", "in-place"]
 SMALL_CASES = ["fwd", "fwd+bwd", "module fwd", "module fwd+bwd"]
 
@@ -53,7 +55,8 @@ class SeedReLUModule(nn.Module):
         return SeedReLU.apply(x)
 
 
-MODULES: dict[str, type[nn.Module]] = {"torch": nn.ReLU, "relu_ext": relu_ext.ReLU, "seed": SeedReLUModule}
+MODULES: dict[str, type[nn.Module]] = {"torch": nn.ReLU, "relu_ext": relu_ext.ReLU, "seed": SeedReLUModule,
+                                       "installed": nn.ReLU}
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,7 +144,21 @@ def activation(impl: str) -> Callable[[Tensor], Tensor]:
         return SeedReLU.apply
     if impl == "relu_ext":
         return relu_ext.relu
+    if impl == "installed":
+        return F.relu  # timed under install() (see installed())
     raise ValueError(f"{impl} has no autograd path")
+
+
+def installed(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` to be run with relu_ext installed: the timer enters ``fn.context()``
+    around each of its blocks (install() is process-wide, so the others' blocks
+    must run without it)."""
+
+    def run() -> object:
+        return fn()
+
+    run.context = relu_ext.install  # type: ignore[attr-defined]
+    return run
 
 
 def _no_grad(fn: Callable[[], object]) -> Callable[[], object]:
@@ -155,7 +172,7 @@ def _no_grad(fn: Callable[[], object]) -> Callable[[], object]:
 def fwd_bwd_bytes(impl: str, n: int, e: int) -> int:
     """Forward reads x, writes y; backward reads what was saved and the
     gradient, writes grad_in. relu_ext saves 1 bit per element."""
-    return 4 * n * e + 2 * ((n + 7) // 8) if impl == "relu_ext" else 5 * n * e
+    return 4 * n * e + 2 * ((n + 7) // 8) if impl in ("relu_ext", "installed") else 5 * n * e
 
 
 def kernel_cases(x: Tensor, impls: list[str]) -> Cases:
@@ -170,6 +187,8 @@ def kernel_cases(x: Tensor, impls: list[str]) -> Cases:
     out = torch.empty_like(x)
     cases: Cases = {c: {} for c in CASES}
     for impl in impls:
+        if impl == "installed":
+            continue  # the same kernels as relu_ext's; what install() changes is the per-call cost
         if impl == "torch_out":
             cases["fwd"][impl] = (_no_grad(lambda: torch.clamp(x, min=0, out=out)), 2 * n * e)
             continue
@@ -203,13 +222,14 @@ def small_cases(x: Tensor, impls: list[str]) -> Cases:
         if impl == "torch_out":
             continue
         act = activation(impl)
+        wrap = installed if impl == "installed" else (lambda fn: fn)
         # x needs no grad: the plain call is the no-grad forward (no no_grad() context to time).
         # Lambdas, not partials, so that every implementation is called from Python code, as users do.
-        cases["fwd"][impl] = (lambda act=act: act(x), 2 * n * e)
-        cases["fwd+bwd"][impl] = (lambda act=act: torch.autograd.grad(act(xg), xg, g), fwd_bwd_bytes(impl, n, e))
+        cases["fwd"][impl] = (wrap(lambda act=act: act(x)), 2 * n * e)
+        cases["fwd+bwd"][impl] = (wrap(lambda act=act: torch.autograd.grad(act(xg), xg, g)), fwd_bwd_bytes(impl, n, e))
         if impl in MODULES:
             module = MODULES[impl]()
-            cases["module fwd"][impl] = (lambda m=module: m(x), 2 * n * e)
-            cases["module fwd+bwd"][impl] = (lambda m=module: torch.autograd.grad(m(xg), xg, g),
+            cases["module fwd"][impl] = (wrap(lambda m=module: m(x)), 2 * n * e)
+            cases["module fwd+bwd"][impl] = (wrap(lambda m=module: torch.autograd.grad(m(xg), xg, g)),
                                              fwd_bwd_bytes(impl, n, e))
     return {c: v for c, v in cases.items() if v}

@@ -12,6 +12,7 @@ best copy this run measured at that dtype and size.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import random
@@ -40,6 +41,14 @@ class Sampler:
 
     def __init__(self, key: Hashable, fn: Callable[[], object], device: str, block_s: float) -> None:
         self.key, self.fn, self.device, self.block_s = key, fn, device, block_s
+        # fn.context (optional): a context manager entered around each block,
+        # not timed (relu_ext.install(), which the other callables must not see).
+        self.context = getattr(fn, "context", contextlib.nullcontext)
+        with self.context():
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        fn, device, block_s = self.fn, self.device, self.block_s
         start = time.perf_counter()
         fn()
         if device == "cuda":
@@ -54,6 +63,10 @@ class Sampler:
 
     def sample(self) -> float:
         """Seconds per call, over one block."""
+        with self.context():
+            return self._sample()
+
+    def _sample(self) -> float:
         if self.device != "cuda":
             return self.timer.timeit(self.number).median
         try:
