@@ -184,6 +184,36 @@ at::Tensor relu_bwd_autograd(const at::Tensor& grad, const at::Tensor& mask) {
   return out;
 }
 
+// The compaction ops store and restore saved tensors: not differentiable. The
+// layout / device check comes first, so that a sparse tensor is named as such.
+void check_not_differentiable(const at::Tensor& t, const char* op, const char* arg) {
+  check_layout_and_device(t, op, arg);
+  TORCH_CHECK(!ag::compute_requires_grad(t), op, ": ", arg,
+              " requires grad, but compaction is not differentiable (it stores tensors saved for backward); "
+              "pass a detached tensor");
+}
+
+std::tuple<at::Tensor, at::Tensor> compact_autograd(const at::Tensor& y, const at::Tensor& mask) {
+  check_not_differentiable(y, "relu_ext::compact", "y");
+  check_layout_and_device(mask, "relu_ext::compact", "mask");
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return compact_op().call(y, mask);
+}
+
+at::Tensor expand_autograd(const at::Tensor& values, const at::Tensor& mask, c10::SymIntArrayRef size,
+                           c10::SymIntArrayRef stride) {
+  check_not_differentiable(values, "relu_ext::expand", "values");
+  check_layout_and_device(mask, "relu_ext::expand", "mask");
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return expand_op().call(values, mask, size, stride);
+}
+
+at::Tensor nonzero_mask_autograd(const at::Tensor& y) {
+  check_layout_and_device(y, "relu_ext::nonzero_mask", "y");
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return nonzero_mask_op().call(y);
+}
+
 }  // namespace
 
 variable_list ReluExtBackward0::apply(variable_list&& grads) {
@@ -236,6 +266,9 @@ variable_list ReluExtBackward0::apply_with_saved(const variable_list& grads, ag:
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, Autograd, m) {
+  m.impl("compact", &compact_autograd);
+  m.impl("expand", &expand_autograd);
+  m.impl("nonzero_mask", &nonzero_mask_autograd);  // a mask is not differentiable
   m.impl("relu", &relu_autograd);
   m.impl("relu_", &relu_autograd_);
   m.impl("relu_fwd", &relu_fwd_autograd);

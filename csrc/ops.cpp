@@ -160,6 +160,90 @@ at::Tensor relu_bwd(const at::Tensor& grad, const at::Tensor& mask) {
   return grad_in;
 }
 
+// --- Compaction (save_compact) ---------------------------------------------------
+
+void check_compactable(const at::Tensor& t, const char* op, const char* arg) {
+  check_layout_and_device(t, op, arg);
+  TORCH_CHECK(is_float(t.scalar_type()), op, ": ", arg, " has dtype ", t.scalar_type(),
+              "; compaction takes float32, float64, float16 and bfloat16");
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", arg,
+              " must be dense (its elements fill a block of memory once, in any dimension order)");
+}
+
+void check_compaction_mask(const at::Tensor& mask, const at::Tensor& t, const char* op) {
+  TORCH_CHECK(mask.device() == t.device(), op, ": mask is on ", mask.device(), " but the tensor is on ", t.device());
+  TORCH_CHECK(mask.scalar_type() == at::kByte, op, ": mask has dtype ", mask.scalar_type(), "; expected uint8");
+  const int64_t need = (t.numel() + 7) / 8;
+  TORCH_CHECK(mask.dim() == 1 && mask.numel() == need && mask.is_contiguous(), op, ": mask has shape ", mask.sizes(),
+              " but the tensor has ", t.numel(), " elements, which need a contiguous 1-D mask of ", need, " bytes");
+}
+
+// A dense tensor's elements in memory order, as integers of their width (a view).
+at::Tensor memory_order_bits(const at::Tensor& t) {
+  static const at::ScalarType ints[] = {at::kByte, at::kByte, at::kShort, at::kShort, at::kInt,
+                                        at::kInt,  at::kInt,  at::kInt,   at::kLong};
+  return t.as_strided({t.numel()}, {1}, t.storage_offset()).view(ints[t.element_size()]);
+}
+
+at::Tensor unpack_bits(const at::Tensor& mask, int64_t n) {
+  const at::Tensor shifts = at::arange(8, mask.options());
+  return mask.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1).to(at::kBool).flatten().slice(0, 0, n);
+}
+
+at::Tensor pack_bits(const at::Tensor& keep) {
+  const int64_t n = keep.numel(), bytes = (n + 7) / 8;
+  at::Tensor padded = at::zeros({bytes * 8}, keep.options().dtype(at::kByte));
+  padded.slice(0, 0, n).copy_(keep);
+  const at::Tensor weights = at::pow(2, at::arange(8, keep.options().dtype(at::kLong))).to(at::kByte);
+  return padded.view({bytes, 8}).mul(weights).sum(1, false, at::kByte);
+}
+
+// The CPU kernels are compact_cpu.cpp's; on CUDA the ops are composed of ATen
+// ops for now (correct, not fast), until CUDA kernels of their own exist.
+std::tuple<at::Tensor, at::Tensor> compact(const at::Tensor& y, const at::Tensor& mask) {
+  check_compactable(y, "relu_ext::compact", "y");
+  check_compaction_mask(mask, y, "relu_ext::compact");
+  int64_t missed = 0;
+  at::Tensor values;
+  if (y.is_cpu()) {
+    values = compact_cpu(y, mask.const_data_ptr<uint8_t>(), &missed);
+    return {values, at::scalar_tensor(missed, y.options().dtype(at::kLong))};
+  }
+  const at::Tensor bits = memory_order_bits(y), keep = unpack_bits(mask, y.numel());
+  values = bits.masked_select(keep).view(y.scalar_type());
+  return {values, bits.masked_select(keep.logical_not()).ne(0).sum()};
+}
+
+at::Tensor expand(const at::Tensor& values, const at::Tensor& mask, c10::SymIntArrayRef size,
+                  c10::SymIntArrayRef stride) {
+  check_compactable(values, "relu_ext::expand", "values");
+  TORCH_CHECK(values.dim() == 1, "relu_ext::expand: values must be 1-D, got shape ", values.sizes());
+  at::Tensor out = at::empty_strided_symint(size, stride, values.options());
+  TORCH_CHECK(out.is_non_overlapping_and_dense(), "relu_ext::expand: size ", out.sizes(), " and stride ",
+              out.strides(), " are not a dense layout");
+  check_compaction_mask(mask, out, "relu_ext::expand");
+  if (out.is_cpu()) {
+    expand_cpu(values, mask.const_data_ptr<uint8_t>(), out);
+    return out;
+  }
+  const at::Tensor keep = unpack_bits(mask, out.numel());
+  const int64_t kept = keep.sum().item<int64_t>();
+  TORCH_CHECK(kept == values.numel(), "relu_ext::expand: the mask keeps ", kept, " elements but values has ",
+              values.numel());
+  at::Tensor bits = memory_order_bits(out);
+  bits.zero_();
+  bits.masked_scatter_(keep, memory_order_bits(values));
+  return out;
+}
+
+at::Tensor nonzero_mask(const at::Tensor& y) {
+  check_compactable(y, "relu_ext::nonzero_mask", "y");
+  if (!y.is_cpu()) return pack_bits(memory_order_bits(y).ne(0));
+  at::Tensor mask = new_mask(y);
+  nonzero_mask_cpu(y, mask.data_ptr<uint8_t>());
+  return mask;
+}
+
 #ifndef WITH_CUDA
 // A CUDA tensor in a build without CUDA kernels: say so and why, instead of
 // the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
@@ -173,6 +257,13 @@ void relu_no_cuda_(at::Tensor&) { no_cuda("relu_ext::relu_"); }
 std::tuple<at::Tensor, at::Tensor> relu_fwd_no_cuda(const at::Tensor&) { no_cuda("relu_ext::relu_fwd"); }
 at::Tensor relu_fwd_no_cuda_(at::Tensor&) { no_cuda("relu_ext::relu_fwd_"); }
 at::Tensor relu_bwd_no_cuda(const at::Tensor&, const at::Tensor&) { no_cuda("relu_ext::relu_bwd"); }
+std::tuple<at::Tensor, at::Tensor> compact_no_cuda(const at::Tensor&, const at::Tensor&) {
+  no_cuda("relu_ext::compact");
+}
+at::Tensor expand_no_cuda(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef) {
+  no_cuda("relu_ext::expand");
+}
+at::Tensor nonzero_mask_no_cuda(const at::Tensor&) { no_cuda("relu_ext::nonzero_mask"); }
 #endif
 
 // --- ADInplaceOrView: in-place ops bump the version counter --------------------
@@ -257,6 +348,12 @@ TORCH_LIBRARY(relu_ext, m) {
   m.def("relu_fwd(Tensor x) -> (Tensor, Tensor)");
   m.def("relu_fwd_(Tensor(a!) x) -> Tensor");
   m.def("relu_bwd(Tensor grad, Tensor mask) -> Tensor");
+  // save_compact: a dense tensor as the elements its bitmap keeps (compact;
+  // `missed` counts dropped elements that are not +0), back (expand), and the
+  // bitmap of its nonzero elements. Not differentiable: they act on saved data.
+  m.def("compact(Tensor y, Tensor mask) -> (Tensor values, Tensor missed)");
+  m.def("expand(Tensor values, Tensor mask, SymInt[] size, SymInt[] stride) -> Tensor");
+  m.def("nonzero_mask(Tensor y) -> Tensor");
 }
 
 // The wrappers pick the kernel from the tensor's device, so both keys share them.
@@ -266,10 +363,16 @@ TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
   m.impl("relu_fwd", &relu_fwd);
   m.impl("relu_fwd_", &relu_fwd_);
   m.impl("relu_bwd", &relu_bwd);
+  m.impl("compact", &compact);
+  m.impl("expand", &expand);
+  m.impl("nonzero_mask", &nonzero_mask);
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
 #ifdef WITH_CUDA
+  m.impl("compact", &compact);
+  m.impl("expand", &expand);
+  m.impl("nonzero_mask", &nonzero_mask);
   m.impl("relu", &relu_kernel);
   m.impl("relu_", &relu_kernel_);
   m.impl("relu_fwd", &relu_fwd);
@@ -281,6 +384,9 @@ TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
   m.impl("relu_fwd", &relu_fwd_no_cuda);
   m.impl("relu_fwd_", &relu_fwd_no_cuda_);
   m.impl("relu_bwd", &relu_bwd_no_cuda);
+  m.impl("compact", &compact_no_cuda);
+  m.impl("expand", &expand_no_cuda);
+  m.impl("nonzero_mask", &nonzero_mask_no_cuda);
 #endif
 }
 

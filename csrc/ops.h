@@ -20,6 +20,9 @@ using ReluInplaceFn = void(at::Tensor&);
 using ReluFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
 using ReluFwdInplaceFn = at::Tensor(at::Tensor&);
 using ReluBwdFn = at::Tensor(const at::Tensor&, const at::Tensor&);
+using CompactFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
+using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef);
+using NonzeroMaskFn = at::Tensor(const at::Tensor&);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> find_op(const char* name) {
@@ -36,6 +39,9 @@ RELU_EXT_OP_HANDLE(relu_inplace_op, "relu_", ReluInplaceFn)
 RELU_EXT_OP_HANDLE(relu_fwd_op, "relu_fwd", ReluFwdFn)
 RELU_EXT_OP_HANDLE(relu_fwd_inplace_op, "relu_fwd_", ReluFwdInplaceFn)
 RELU_EXT_OP_HANDLE(relu_bwd_op, "relu_bwd", ReluBwdFn)
+RELU_EXT_OP_HANDLE(compact_op, "compact", CompactFn)
+RELU_EXT_OP_HANDLE(expand_op, "expand", ExpandFn)
+RELU_EXT_OP_HANDLE(nonzero_mask_op, "nonzero_mask", NonzeroMaskFn)
 #undef RELU_EXT_OP_HANDLE
 
 // Layout and device checks, made where every call passes (the autograd

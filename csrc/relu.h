@@ -80,6 +80,16 @@ void backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor&
 const char* cpu_isa();
 void set_cpu_isa(const std::string& name);
 
+// Compaction by a bitmap (compact_cpu.cpp), on dense tensors in memory order,
+// elements of 2, 4 or 8 bytes moved as integers. compact: the elements whose
+// bit is set, and in *missed the number of the others that are not +0 (bits
+// all zero), which expand cannot restore; expand: the inverse into `out`
+// (bits unset become +0); nonzero_mask: the bitmap of elements whose bits are
+// not all zero.
+at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed);
+void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out);
+void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask);
+
 #ifdef WITH_CUDA
 void forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask);
 void forward_int_cuda(const at::Tensor& x, const at::Tensor& y);

@@ -1,5 +1,7 @@
-"""DDP (gloo, 2 processes on this machine): relu_ext.ReLU, and nn.ReLU under relu_ext.install(),
-train with the same gradients as nn.ReLU."""
+"""DDP (gloo, 2 processes on this machine): relu_ext.ReLU, nn.ReLU under relu_ext.install(), and
+nn.ReLU under relu_ext.save_compact() train with the same gradients as nn.ReLU."""
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -22,17 +24,20 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         grads = {}
-        for name, act in (("ours", relu_ext.ReLU), ("installed", torch.nn.ReLU), ("ref", torch.nn.ReLU)):
+        runs = (("ours", relu_ext.ReLU), ("installed", torch.nn.ReLU), ("compact", torch.nn.ReLU), ("ref", torch.nn.ReLU))
+        for name, act in runs:
             hold = relu_ext.install() if name == "installed" else None  # spawned: each process installs
             torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(16, 32), act(), torch.nn.Linear(32, 32), act(inplace=True),
-                                        torch.nn.Linear(32, 1))
+            model = torch.nn.Sequential(torch.nn.Linear(16, 128), act(), torch.nn.Linear(128, 64), act(inplace=True),
+                                        torch.nn.Linear(64, 1))
             ddp = torch.nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             torch.manual_seed(100 + rank)  # each rank its own data
             for _ in range(3):
                 opt.zero_grad()
-                ddp(torch.randn(8, 16)).square().mean().backward()
+                with relu_ext.save_compact(min_saving=0.0) if name == "compact" else contextlib.nullcontext():
+                    loss = ddp(torch.randn(64, 16)).square().mean()  # 64 x 128 ReLU outputs: compacted
+                loss.backward()
                 opt.step()
             grads[name] = [p.grad.clone() for p in model.parameters()] + [p.detach().clone() for p in model.parameters()]
             grads[name + "_nodes"] = _node_names(ddp(torch.randn(2, 16)))
@@ -48,8 +53,8 @@ def test_ddp_gloo_matches_nn_relu(tmp_path):
     out = tmp_path / "grads.pt"
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
     grads = torch.load(out)
-    assert len(grads["ours"]) == len(grads["installed"]) == len(grads["ref"]) == 12
-    for a, b, c in zip(grads["ours"], grads["installed"], grads["ref"]):
-        assert torch.equal(a, c) and torch.equal(b, c)
+    assert len(grads["ours"]) == len(grads["installed"]) == len(grads["compact"]) == len(grads["ref"]) == 12
+    for a, b, c, d in zip(grads["ours"], grads["installed"], grads["compact"], grads["ref"]):
+        assert torch.equal(a, d) and torch.equal(b, d) and torch.equal(c, d)
     assert "ReluExtBackward0" in grads["ours_nodes"] and "ReluExtBackward0" in grads["installed_nodes"]
     assert "ReluBackward0" not in grads["installed_nodes"] and "ReluBackward0" in grads["ref_nodes"]

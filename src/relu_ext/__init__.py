@@ -5,6 +5,7 @@
     y = relu_ext.relu(x)                                         # instead of F.relu(x)
     relu_ext.convert(model)                                      # every nn.ReLU in a model
     relu_ext.install()                                           # every ReLU the process runs
+    with relu_ext.save_compact(): loss = model(x)                # ReLU outputs kept as mask + values
 
 Importing the package loads the native library, which registers the
 ``torch.ops.relu_ext`` operators, and teaches the exporters about them.
@@ -18,13 +19,14 @@ _build.check_torch()  # before the native module loads
 
 from . import export as _export  # noqa: E402, F401  (registers the ONNX and decomposition hooks)
 from ._build import build_info, cuda_available  # noqa: E402
+from .compact import save_compact  # noqa: E402
 from .dispatch import Installation, install, installed, uninstall  # noqa: E402
 from .export import aten_decompositions  # noqa: E402
 from .ops import ReLU, convert, relu, revert  # noqa: E402
 
 __all__ = [
     "ReLU", "relu", "convert", "revert", "install", "uninstall", "installed", "Installation",
-    "aten_decompositions", "cuda_available", "build_info",
+    "aten_decompositions", "save_compact", "cuda_available", "build_info",
 ]
 __version__ = "0.1.0"
 
@@ -33,5 +35,5 @@ if not cuda_available():
     _build.warn_if_gpu_unused(False, _torch.cuda.is_available())
 
 # Pickles and reprs name the public path.
-for _public in (ReLU, relu, Installation, install, uninstall, installed, aten_decompositions):
+for _public in (ReLU, relu, Installation, install, uninstall, installed, aten_decompositions, save_compact):
     _public.__module__ = __name__

@@ -59,6 +59,22 @@ def _relu_bwd_fake(grad: Tensor, mask: Tensor) -> Tensor:
     return torch.empty_like(grad)
 
 
+@torch.library.register_fake("relu_ext::compact")
+def _compact_fake(y: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    kept = torch.library.get_ctx().new_dynamic_size()  # how many bits are set: known only from the data
+    return y.new_empty((kept,)), y.new_empty((), dtype=torch.int64)
+
+
+@torch.library.register_fake("relu_ext::expand")
+def _expand_fake(values: Tensor, mask: Tensor, size: list[int], stride: list[int]) -> Tensor:
+    return values.new_empty_strided(size, stride)
+
+
+@torch.library.register_fake("relu_ext::nonzero_mask")
+def _nonzero_mask_fake(y: Tensor) -> Tensor:
+    return y.new_empty((_mask_numel(y),), dtype=torch.uint8)
+
+
 def _per_sample(batch_size: int, fn: Callable[[int], Any]) -> list[Any]:
     return [fn(b) for b in range(batch_size)]
 

@@ -1,0 +1,416 @@
+"""relu_ext.save_compact(): ReLU outputs saved as bitmap + values, restored bit for bit; every
+other saved tensor as usual, with PyTorch's in-place check."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import relu_ext
+from relu_ext import compact
+from conftest import DEVICES, adversarial, assert_bitwise_equal
+
+
+# --- the ops: relu_ext::compact / expand / nonzero_mask ------------------------------------
+
+_ops = torch.ops.relu_ext
+_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Around the CPU kernels' chunks (32768 elements) and mask bytes, and several chunks in parallel.
+OP_SIZES = [0, 1, 7, 8, 9, 63, 65, 32767, 32768, 32769, 32768 * 3 + 5, 300_001]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order, as integers."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset()).view(_INT[t.element_size()])
+
+
+def _keep(mask: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.from_numpy(np.unpackbits(mask.cpu().numpy(), bitorder="little")[:n].astype(bool)).to(mask.device)
+
+
+def _packbits(keep: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.packbits(keep.cpu().numpy(), bitorder="little")).to(keep.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", OP_SIZES)
+def test_ops_against_a_reference(n, dtype, device):
+    x = adversarial(n, dtype, device, seed=n)
+    y = torch.relu(x)
+    bits = _bits(y)
+    nonzero = _ops.nonzero_mask(y)
+    assert torch.equal(nonzero, _packbits(bits != 0))
+    _, relu_mask = _ops.relu_fwd(x)
+    g = torch.Generator().manual_seed(n)
+    random_mask = torch.randint(0, 256, ((n + 7) // 8,), generator=g, dtype=torch.uint8).to(device)
+    for mask in (relu_mask, nonzero, random_mask):
+        keep = _keep(mask, n)
+        values, missed = _ops.compact(y, mask)
+        assert values.dtype == dtype and values.shape == (int(keep.sum()),)
+        assert torch.equal(_bits(values), bits[keep])
+        assert missed.item() == int((bits[~keep] != 0).sum())
+        restored = _ops.expand(values, mask, y.shape, y.stride())
+        assert torch.equal(_bits(restored), torch.where(keep, bits, 0))
+    assert missed.item() > 0 or n < 64  # the random mask drops nonzero elements
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_keep_layouts(device):
+    for y in (torch.relu(torch.randn(4, 16, 12, 12, device=device)).contiguous(memory_format=torch.channels_last),
+              torch.relu(torch.randn(64, 48, device=device)).t(),
+              torch.relu(torch.randn(3, 5000, device=device))[1]):  # a storage offset
+        mask = _ops.nonzero_mask(y)
+        values, missed = _ops.compact(y, mask)
+        restored = _ops.expand(values, mask, y.shape, y.stride())
+        assert missed.item() == 0 and restored.stride() == y.stride()
+        assert_bitwise_equal(restored, y)
+
+
+def test_ops_reject_bad_input():
+    y = torch.relu(torch.randn(100))
+    mask = _ops.nonzero_mask(y)
+    values, _ = _ops.compact(y, mask)
+    bad = [
+        (lambda: _ops.compact(y, mask[:5]), "mask has shape \\[5\\] but the tensor has 100 elements"),
+        (lambda: _ops.compact(y, mask.int()), "mask has dtype Int; expected uint8"),
+        (lambda: _ops.compact(y.int(), mask), "y has dtype Int; compaction takes float32"),
+        (lambda: _ops.compact(torch.randn(200)[::2], mask), "y must be dense"),
+        (lambda: _ops.nonzero_mask(torch.randn(3, 3).to_sparse()), "y has layout Sparse"),
+        (lambda: _ops.expand(values[1:], mask, y.shape, y.stride()), "the mask keeps \\d+ elements but values has"),
+        (lambda: _ops.expand(values, mask, (10, 10), (1, 1)), "are not a dense layout"),
+        (lambda: _ops.expand(values.view(1, -1), mask, y.shape, y.stride()), "values must be 1-D"),
+    ]
+    for call, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+def test_ops_are_not_differentiable():
+    y = torch.relu(torch.randn(100, requires_grad=True))
+    mask = _ops.nonzero_mask(y)
+    assert not mask.requires_grad
+    with pytest.raises(RuntimeError, match="y requires grad, but compaction is not differentiable"):
+        _ops.compact(y, mask)
+    values, _ = _ops.compact(y.detach(), mask)
+    with pytest.raises(RuntimeError, match="values requires grad, but compaction is not differentiable"):
+        _ops.expand(values.requires_grad_(), mask, y.shape, y.stride())
+
+
+@pytest.mark.parametrize("op", ["compact", "expand", "nonzero_mask"])
+def test_opcheck(op):
+    y = torch.relu(torch.randn(4, 8, 5, 5)).contiguous(memory_format=torch.channels_last)
+    mask = _ops.nonzero_mask(y)
+    values, _ = _ops.compact(y, mask)
+    args = {"compact": (y, mask), "expand": (values, mask, list(y.shape), list(y.stride())), "nonzero_mask": (y,)}[op]
+    torch.library.opcheck(getattr(_ops, op).default, args)
+
+
+# --- save_compact ----------------------------------------------------------------------------
+
+
+class _Probe(torch.autograd.Function):
+    """Saves its input for backward and records what backward gets back."""
+
+    restored: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        _Probe.restored.append(ctx.saved_tensors[0].detach().clone())
+        return g
+
+
+RELUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "nn.ReLU": torch.relu,
+    "nn.ReLU-inplace": torch.relu_,
+    "relu_ext": relu_ext.relu,
+    "relu_ext-inplace": lambda t: relu_ext.relu(t, inplace=True),
+}
+
+
+def _saved_and_restored(relu: Callable, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ReLU output at forward time, and what the next layer's backward got back."""
+    _Probe.restored = []
+    leaf = x.clone().requires_grad_()
+    with ctx:
+        y = relu(leaf * 1)
+        saved = y.detach().clone()
+        out = _Probe.apply(y)
+    out.backward(torch.ones_like(out))
+    return saved, _Probe.restored[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("relu", RELUS)
+def test_restored_bit_for_bit(relu, dtype, device):
+    """Adversarial data: NaN payloads, ±0.0, ±inf, denormals, every bit pattern."""
+    x = adversarial(100_003, dtype, device, seed=11)
+    saved, restored = _saved_and_restored(RELUS[relu], x, relu_ext.save_compact(min_saving=0.0))
+    assert_bitwise_equal(restored, saved, "restored ReLU output")
+
+
+@pytest.mark.parametrize("relu", RELUS)
+def test_layouts_come_back(relu):
+    x = torch.randn(4, 16, 12, 12).contiguous(memory_format=torch.channels_last).permute(0, 2, 1, 3)
+    saved, restored = _saved_and_restored(RELUS[relu], x, relu_ext.save_compact())
+    assert restored.stride() == saved.stride()
+    assert_bitwise_equal(restored, saved)
+
+
+def _count_compactions(monkeypatch) -> list[Any]:
+    made: list[Any] = []
+    real = compact._compacted
+
+    def counting(t: torch.Tensor, min_saving: float) -> Any:
+        made.append(real(t, min_saving))
+        return made[-1]
+
+    monkeypatch.setattr(compact, "_compacted", counting)
+    return made
+
+
+@pytest.mark.parametrize("relu", ["nn.ReLU", "relu_ext"])
+def test_compacted_once_when_saved_by_several_nodes(relu, monkeypatch):
+    """nn.ReLU's node saves its output and the conv after it saves it again: one compaction."""
+    made = _count_compactions(monkeypatch)
+    conv = torch.nn.Conv2d(8, 8, 3)
+    x = torch.randn(2, 8, 16, 16, requires_grad=True)
+    with relu_ext.save_compact():
+        y = RELUS[relu](x * 1)
+        z = conv(y) + conv(y)  # and twice more
+    assert len(made) == 1 and isinstance(made[0], compact.Compacted)
+    z.sum().backward()
+
+
+def test_relu_ext_mask_is_reused(monkeypatch):
+    made = _count_compactions(monkeypatch)
+    x = torch.randn(64, 128, requires_grad=True)
+    with relu_ext.save_compact():
+        y = relu_ext.relu(x * 1)
+        out = _Probe.apply(y)
+    assert made[0].mask is y.grad_fn._saved_mask or made[0].mask.data_ptr() == y.grad_fn._saved_mask.data_ptr()
+    out.sum().backward()
+
+
+def test_negative_zero_gets_its_own_bitmap(monkeypatch):
+    """relu(-0.0) is -0.0 with mask bit 0: relu_ext's mask cannot restore it, a bitmap of nonzero bits can."""
+    made = _count_compactions(monkeypatch)
+    x = torch.randn(8192)
+    x[::7] = -0.0
+    saved, restored = _saved_and_restored(relu_ext.relu, x, relu_ext.save_compact())
+    assert_bitwise_equal(restored, saved)
+    assert restored.signbit().sum() == (x == 0).sum() > 0
+    ext_mask = torch.ops.relu_ext.relu_fwd(x)[1]
+    assert not torch.equal(made[0].mask, ext_mask)
+
+
+def test_dense_outputs_stay_dense(monkeypatch):
+    made = _count_compactions(monkeypatch)
+    x = torch.rand(8192) + 0.5  # all kept: nothing to gain
+    saved, restored = _saved_and_restored(torch.relu, x, relu_ext.save_compact())
+    assert made == [None]
+    assert_bitwise_equal(restored, saved)
+
+
+def test_what_is_not_a_relu_output_is_saved_as_usual(monkeypatch):
+    made = _count_compactions(monkeypatch)
+    x = torch.randn(64, 128, requires_grad=True)
+    with relu_ext.save_compact():
+        y = torch.relu(x)
+        z = (y[:, :64] * 2).sum() + (torch.sigmoid(x) * x).sum() + (torch.relu(x[:4, :4]) * 3).sum()
+    # A view (y[:, :64]), no ReLU output (sigmoid), too small (4x4): saved as usual; y itself compacted.
+    assert len(made) == 1 and isinstance(made[0], compact.Compacted) and made[0].size == y.size()
+    z.backward()
+
+
+def _cnn(act: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), act(),
+        torch.nn.Conv2d(16, 16, 3, padding=1), act(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32), act(),
+        torch.nn.Flatten(), torch.nn.Dropout(0.1), torch.nn.Linear(32 * 8 * 8, 10),
+    ).to(dtype)
+
+
+ACTS = {
+    "nn.ReLU": lambda: torch.nn.ReLU(),
+    "nn.ReLU-inplace": lambda: torch.nn.ReLU(inplace=True),
+    "relu_ext.ReLU": lambda: relu_ext.ReLU(),
+    "relu_ext.ReLU-inplace": lambda: relu_ext.ReLU(inplace=True),
+}
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, ctx: Any, **backward: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    with ctx:
+        loss = model(x).float().square().mean()
+    loss.backward(**backward)
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(a: tuple, b: tuple) -> None:
+    assert_bitwise_equal(a[0], b[0], "loss")
+    for i, (ga, gb) in enumerate(zip(a[1], b[1])):
+        assert_bitwise_equal(ga, gb, f"gradient {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_training_step_is_bitwise_the_same(act, dtype):
+    model = _cnn(ACTS[act], dtype).train()
+    x = torch.randn(4, 3, 16, 16, dtype=dtype)
+    _assert_same(_step(model, x, relu_ext.save_compact()), _step(model, x, contextlib.nullcontext()))
+
+
+def test_relu_output_changed_in_place_after_save():
+    """Compacted: backward sees the values of the forward that ran. Saved as it is: PyTorch's error."""
+    w = torch.randn(8192, requires_grad=True)
+    x = torch.randn(8192)
+
+    def run(change: bool) -> torch.Tensor:
+        w.grad = None
+        with relu_ext.save_compact():
+            y = torch.relu(x.clone().requires_grad_() * 1)
+            z = (y * w).sum()
+        if change:
+            with torch.no_grad():
+                y.add_(1.0)
+        z.backward()
+        return w.grad.clone()
+
+    assert_bitwise_equal(run(True), run(False))
+    v = torch.randn(64, requires_grad=True)
+    with relu_ext.save_compact():
+        s = torch.sigmoid(v * 1)
+        z = (s * v).sum()
+    with torch.no_grad():
+        s.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
+def test_double_backward_and_retain_graph():
+    model = _cnn(ACTS["nn.ReLU"], torch.float64).train()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, requires_grad=True)
+
+    def penalty(ctx: Any) -> list[torch.Tensor]:
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(1)
+        with ctx:
+            out = model(x).sum()
+            (gx,) = torch.autograd.grad(out, x, create_graph=True)
+            loss = gx.square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # retain_graph: the compacted tensors are restored again
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    got, want = penalty(relu_ext.save_compact()), penalty(contextlib.nullcontext())
+    assert len(got) == len(want) > 4
+    for a, b in zip(got, want):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_activation_checkpointing(where):
+    """save_compact() around a checkpointed forward, and checkpoint around a forward
+    that runs under save_compact() (its recomputation included)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _cnn(ACTS["nn.ReLU-inplace"], torch.float32).train()
+    x = torch.randn(4, 3, 16, 16)
+
+    def run(compacted: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        ctx = relu_ext.save_compact() if compacted else contextlib.nullcontext()
+
+        def compacted_forward() -> torch.Tensor:
+            with relu_ext.save_compact() if compacted else contextlib.nullcontext():
+                return model(x)
+
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(1)
+        if where == "inside":
+            with ctx:
+                out = checkpoint(model, x, use_reentrant=False)
+        else:
+            out = checkpoint(compacted_forward, use_reentrant=False)
+        out.square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    _assert_same(run(True), run(False))
+
+
+def test_torch_compile_works_under_it():
+    model = _cnn(ACTS["nn.ReLU"], torch.float32).train()
+    x = torch.randn(4, 3, 16, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _assert_same(_step(compiled, x, relu_ext.save_compact()), _step(model, x, contextlib.nullcontext()))
+
+
+def test_torch_func_raises_pytorchs_clear_error():
+    from torch.func import grad
+
+    with relu_ext.save_compact(), pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+        grad(lambda t: torch.relu(t).sum())(torch.randn(3))
+
+
+def test_bad_min_saving():
+    with pytest.raises(ValueError, match="min_saving must be in"):
+        relu_ext.save_compact(min_saving=1.0)
+
+
+def _held_bytes(model: torch.nn.Module, x: torch.Tensor, compacted: bool, monkeypatch) -> int:
+    """Bytes of the distinct storages the autograd graph holds after forward, parameters
+    aside, counted from what the saved-tensor hooks keep (allocator-independent)."""
+    held: list[torch.Tensor] = []
+    if compacted:
+        real_dense, real_compacted = compact._Dense.__init__, compact.Compacted.__init__
+
+        def dense(self: Any, t: torch.Tensor) -> None:
+            real_dense(self, t)
+            held.append(self.tensor)
+
+        def compacted(self: Any, values: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> None:
+            real_compacted(self, values, mask, like)
+            held.extend([values, mask])
+
+        monkeypatch.setattr(compact._Dense, "__init__", dense)
+        monkeypatch.setattr(compact.Compacted, "__init__", compacted)
+        ctx = relu_ext.save_compact()
+    else:
+        ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t)
+    torch.manual_seed(1)
+    with ctx:
+        model(x)
+    monkeypatch.undo()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+def test_real_model_holds_less_and_trains_the_same(monkeypatch):
+    """resnet18 (in-place ReLUs, then conv / max-pool / residual add): bitwise the same
+    step, and less held by its graph."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = tv.models.resnet18(weights=None).train()
+    x = torch.randn(2, 3, 64, 64)
+    _assert_same(_step(model, x, relu_ext.save_compact()), _step(model, x, contextlib.nullcontext()))
+    plain, small = _held_bytes(model, x, False, monkeypatch), _held_bytes(model, x, True, monkeypatch)
+    assert small < 0.9 * plain, (small, plain)
