@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import adversarial, assert_bitwise_equal
-from relu_ext.bench import cli, models, peers, report, timing
+from relu_ext.bench import cli, models, peers, real, report, timing
 
 # --malloc as-is: the default would retune malloc in this (pytest's) process for the rest of the suite.
 TINY = ["--device", "cpu", "--rounds", "3", "--budget", "0.01", "--no-progress", "--no-files", "--malloc", "as-is"]
@@ -81,7 +81,7 @@ def check_row(r, rounds, max_spread):
     """Every figure of a row follows from the rounds the JSON holds."""
     copy_r = r["copy"]["rounds_s"]
     assert len(copy_r) == rounds and math.isclose(r["copy_gbs"], r["copy_bytes"] / statistics.median(copy_r) / 1e9)
-    torch_r = r["results"]["torch"]["rounds_s"]
+    torch_r = r["results"]["torch"]["rounds_s"] if "torch" in r["results"] else None  # compact/expand: relu_ext only
     for c in r["results"].values():
         rs = c["rounds_s"]
         assert len(rs) == rounds and c["median_s"] == statistics.median(rs)
@@ -90,7 +90,10 @@ def check_row(r, rounds, max_spread):
         assert (timing.NOISY in c["marks"]) == (c["spread"] > max_spread)
         assert math.isclose(c["gbs"], c["bytes"] / c["median_s"] / 1e9)
         # Paired by round: the ratios are medians of per-round ratios, not ratios of medians.
-        assert math.isclose(c["vs_torch"], statistics.median(a / b for a, b in zip(rs, torch_r)))
+        if torch_r is None:
+            assert c["vs_torch"] is None
+        else:
+            assert math.isclose(c["vs_torch"], statistics.median(a / b for a, b in zip(rs, torch_r)))
         want = c["bytes"] / r["copy_bytes"] * statistics.median(cp / t for cp, t in zip(copy_r, rs))
         assert math.isclose(c["of_copy"], want)
 
@@ -105,6 +108,10 @@ def test_kernel_rows_schema_and_arithmetic(result):
         e = 4 if r["dtype"] == "float32" else 2
         n, m = r["numel"], (r["numel"] + 7) // 8
         ext = r["results"]["relu_ext"]["bytes"]
+        if r["case"] in ("compact", "expand"):  # the tensor, its mask, and the values kept (about half)
+            assert n * e + m + 0.3 * n * e < ext < n * e + m + 0.7 * n * e, r["case"]
+            assert set(r["results"]) == {"relu_ext"} and r["results"]["relu_ext"]["vs_torch"] is None
+            continue
         want = {"fwd": 2 * n * e, "fwd (train)": 2 * n * e + m, "bwd": 2 * n * e + m,
                 "fwd+bwd": 4 * n * e + 2 * m, "in-place": 2 * n * e}[r["case"]]
         assert ext == want, r["case"]
@@ -127,19 +134,31 @@ def test_small_memory_models_sections(result):
     # nn.ReLU keeps its output, the tutorial Function its input, relu_ext 1 bit.
     assert per["float32"]["torch"] == 4 and per["bfloat16"]["torch"] == 2
     assert per["float32"]["seed"] == 4 and per["float32"]["relu_ext"] == 1 / 8 == per["bfloat16"]["relu_ext"]
-    assert [row["model"] for row in res["memory"]["models"]] == models.MODELS
-    for row in res["memory"]["models"]:
-        assert set(row["results"]) == {"torch", "seed", "relu_ext"}
+    assert per["float32"]["installed"] == 1 / 8  # F.relu under install()
+    mem = res["memory"]["models"]
+    assert [(r["model"], r["dtype"]) for r in mem] == [(m, d) for m in real.QUICK_MODELS for d in ("float32", "bfloat16")]
+    for row in mem:
+        assert list(row["results"]) == real.CONFIGS
+        base = row["results"]["nn.ReLU"]
         for m in row["results"].values():
-            assert m["saved_bytes"] > 0 and m["peak_bytes"] >= 0  # tiny quick models can be below RSS resolution
-    drop = {k: v["saved_bytes"] for k, v in res["memory"]["models"][1]["results"].items()}
-    assert drop["relu_ext"] < drop["torch"], "with dropout after ReLU, relu_ext must save less"
+            assert m["held_bytes"] > 0 and m["peak_bytes"] >= 0  # tiny quick models can be below RSS resolution
+            assert math.isclose(m["held_vs_torch"], m["held_bytes"] / base["held_bytes"])
+            assert len(m["rounds_s"]) == 3
+            assert math.isclose(m["vs_torch"], statistics.median(a / b for a, b in zip(m["rounds_s"], base["rounds_s"])))
+    held = {(r["model"], r["dtype"]): {c: m["held_bytes"] for c, m in r["results"].items()} for r in mem}
+    cnn = held[("resnet18", "float32")]
+    # The next conv keeps the ReLU output: the mask alone frees nothing, compaction does.
+    assert cnn["install"] >= cnn["nn.ReLU"] and cnn["install+compact"] < 0.9 * cnn["nn.ReLU"]
+    assert cnn["nn.ReLU+compact"] < 0.9 * cnn["nn.ReLU"]
+    # T5: ReLU -> dropout -> linear: nothing else keeps the ReLU output, so the mask alone saves.
+    assert held[("t5_relu", "float32")]["install"] < held[("t5_relu", "float32")]["nn.ReLU"]
     for row in res["models"]:
         r, t = row["results"]["relu_ext"], row["results"]["torch"]
         assert len(r["rounds_s"]) == 3
         assert math.isclose(r["vs_torch"], statistics.median(a / b for a, b in zip(r["rounds_s"], t["rounds_s"])))
     text = report.format_tables(res)
     assert "kernels:" in text and "small tensors" in text and "training step" in text and "trust:" in text
+    assert "real models, training mode" in text
 
 
 def test_tables_fit_120_columns(result):
@@ -257,7 +276,7 @@ def test_plot_panels(result, tmp_path):
     titles = [t for t, _ in panels]
     assert "float32 fwd" in titles and "bfloat16 in-place" in titles
     assert [t for t in titles if t.startswith("per call:")] == [f"per call: float32 {c}" for c in peers.SMALL_CASES]
-    assert "saved for backward, per element" in titles and "training step peak above live set" in titles
+    assert "saved for backward, per element" in titles and "held by the graph after forward, vs nn.ReLU" in titles
     assert all("(higher is better)" in y or "(lower is better)" in y for _, y in panels)
 
 
@@ -392,3 +411,12 @@ def test_small_section_has_installed_rows(result):
     cases = {r["case"] for r in res["small"] if "installed" in r["results"]}
     assert cases == set(peers.SMALL_CASES)
     assert not any("installed" in r["results"] for r in res["kernels"])
+
+
+def test_held_bytes_count_what_the_graph_saves():
+    """nn.ReLU's held bytes are exactly the saved storages that models.saved_bytes counts
+    (parameters and inputs aside); compaction's count is what its packed objects keep."""
+    model, x = real.build("resnet18", torch.float32, "cpu", quick=True)
+    direct = models.saved_bytes(lambda: real.loss_of(model, x), list(model.parameters()) + [x])
+    assert real.held_bytes(model, x, "nn.ReLU") == direct
+    assert real.held_bytes(model, x, "nn.ReLU+compact") < 0.9 * direct

@@ -47,6 +47,10 @@ class Compacted:
         """The saved tensor, bit for bit, in its own layout."""
         return _ops.expand(self.values, self.mask, self.size, self.stride)
 
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting)."""
+        return self.values, self.mask
+
 
 class _Dense:
     """A tensor saved as it is, with the version it had (the check PyTorch makes without hooks)."""
@@ -67,6 +71,10 @@ class _Dense:
                 f"{self.version} instead (checked by relu_ext.save_compact, which saved it as it was)."
             )
         return self.tensor
+
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting)."""
+        return (self.tensor,)
 
 
 def _compacted(t: Tensor, min_saving: float) -> Compacted | None:

@@ -2,7 +2,7 @@
 
     python -m relu_ext.bench [--device cpu|cuda] [--dtypes float32,bfloat16]
                              [--sizes 65536,...] [--what kernels,small,memory,models]
-                             [--impls torch,torch_out,compile,triton,seed,relu_ext]
+                             [--impls torch,torch_out,compile,triton,seed,relu_ext,installed]
                              [--rounds N] [--budget S] [--max-spread F] [--quick]
                              [--malloc steady|as-is] [--cuda-unroll 1|2|4]
                              [--out DIR] [--name NAME] [--no-files]
@@ -15,16 +15,25 @@ Sections (--what):
   small    per call at 1K-64K elements, the fixed cost of a call: no-grad
            forward and fwd+bwd of the function (torch.relu / relu_ext.relu)
            and of the module (nn.ReLU / relu_ext.ReLU).
-  memory   bytes saved for backward per element, and the peak memory of one
-           training step of three small models, one fresh process per
-           implementation.
-  models   time of one training step (forward, loss, backward, SGD) of the
-           same models with each activation.
+  memory   bytes saved for backward per element of one activation; and real
+           models (torchvision resnet18, resnet50, vgg11, googlenet,
+           densenet121 and a transformers T5 with ReLU, random weights,
+           training mode; --quick: resnet18 and T5 at toy sizes) under four
+           configurations, nn.ReLU, install (relu_ext.install()),
+           install+compact (and relu_ext.save_compact()) and nn.ReLU+compact:
+           bytes their autograd graph holds after forward (counted exactly
+           from what the saved-tensor hooks keep), the peak of one training
+           step (one fresh process per configuration) and its time
+           (interleaved rounds), each vs nn.ReLU.
+  models   time of one training step (forward, loss, backward, SGD) of three
+           small models (MLP, MLP with dropout, CNN with max-pool) with each
+           activation.
 
 Implementations (--impls): torch (torch.relu / nn.ReLU), torch_out (torch.clamp
 with out=, forward only), compile (torch.compile of F.relu), triton (a Triton
 ReLU, CUDA only), seed (the tutorial autograd.Function: clamp, then
-grad[x < 0] = 0), relu_ext. On CPU, seed and compile (2-25x slower than torch)
+grad[x < 0] = 0), relu_ext, installed (PyTorch's own F.relu / nn.ReLU with
+relu_ext.install() active around its blocks; small section). On CPU, seed and compile (2-25x slower than torch)
 are timed up to 16M elements in the kernel section.
 
 Timing: per dtype and size, every implementation of every case and the copy

@@ -13,7 +13,7 @@ import torch
 import relu_ext
 
 from . import __doc__ as DOC
-from . import models, peers, report, timing
+from . import models, peers, real, report, timing
 
 SECTIONS = ["kernels", "small", "memory", "models"]
 SMALL_SIZES = [2**k for k in range(10, 17)]
@@ -155,7 +155,7 @@ def _steps(config: dict[str, Any]) -> int:
     return config["rounds"] * (("kernels" in what) * len(config["dtypes"]) * sum(per_size)
                                + ("small" in what) * len(config["small_sizes"]) * per_small
                                + ("models" in what) * len(models.MODELS) * len(model_impls)) \
-        + ("memory" in what) * (len(config["dtypes"]) + len(model_impls))
+        + ("memory" in what) * (len(config["dtypes"]) + real.steps(len(config["dtypes"]), config["rounds"], config["quick"]))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unless --no-files; returns what the JSON holds."""
     args, config = configure(argv)
     if args.peak_worker:
-        print(json.dumps(models.peak_worker(json.loads(args.peak_worker))))
+        print(json.dumps(real.peak_worker(json.loads(args.peak_worker))))
         return {}
     env = report.environment(config["device"])
     env["malloc"] = timing.steady_malloc() if config["malloc"] == "steady" else "as is (glibc defaults)"
@@ -182,13 +182,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["small"] = run_rows("small", device, dtypes[:1], config["small_sizes"], impls, rounds,
                                    config["small_budget_s"], config["max_spread"], progress)
     if "memory" in what:
-        result["memory"] = models.run_memory(device, dtypes, impls, config["quick"], progress)
+        result["memory"] = models.run_memory(device, dtypes, impls, config["quick"], rounds, config["budget_s"],
+                                             config["max_spread"], progress)
     if "models" in what:
         result["models"] = models.run_models(device, impls, rounds, config["budget_s"], config["quick"], progress,
                                              config["max_spread"])
     rows = result.get("kernels", []) + result.get("small", [])
     timing.mark_copy_low(rows, config["copy_low"])
-    result["trust"] = dict(timing.trust_summary(rows, result.get("models", [])), max_spread=config["max_spread"],
+    timed_models = result.get("models", []) + result.get("memory", {}).get("models", [])
+    result["trust"] = dict(timing.trust_summary(rows, timed_models), max_spread=config["max_spread"],
                            copy_low=config["copy_low"])
     env["load_end"] = timing.load_average()  # includes this run's own threads
 

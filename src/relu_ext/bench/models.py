@@ -1,17 +1,16 @@
-"""Three small models with each activation: training step time, bytes saved
-for backward, and peak memory of one training step (in a fresh process)."""
+"""Three small models with each activation: training step time; bytes saved for backward per
+element of one activation; the memory section's figures of real models (real.py)."""
 
 from __future__ import annotations
 
-import ctypes
-import json
-import subprocess
-import sys
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+import relu_ext
 
 from . import peers, timing
 
@@ -35,13 +34,11 @@ def build_model(name: str, impl: str, quick: bool) -> nn.Sequential:
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
 
-def model_batch(name: str, purpose: str, quick: bool) -> int:
-    """Batch size for timing ("time") or for the memory figures ("memory"):
-    large enough there that activations, not weights, make the peak."""
+def model_batch(name: str, quick: bool) -> int:
+    """Batch size for timing."""
     if quick:
         return 16
-    big = purpose == "memory"
-    return (2048 if big else 512) if name.startswith("mlp") else (256 if big else 64)
+    return 512 if name.startswith("mlp") else 64
 
 
 def model_step(name: str, impl: str, device: str, batch: int, quick: bool,
@@ -90,8 +87,9 @@ def saved_bytes_per_element(device: str, dtype: torch.dtype, impls: list[str], n
             continue
         x = torch.randn(n, dtype=dtype, device=device).requires_grad_()
         act = peers.activation(impl)
-        act(x)  # compile / first-call work outside the measurement
-        out[impl] = saved_bytes(lambda: act(x)) / n
+        with relu_ext.install() if impl == "installed" else contextlib.nullcontext():
+            act(x)  # compile / first-call work outside the measurement
+            out[impl] = saved_bytes(lambda: act(x)) / n
     return out
 
 
@@ -103,33 +101,14 @@ def _rss_bytes(field: str) -> int:
     raise OSError(f"{field} not in /proc/self/status")
 
 
-def peak_worker(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """For each model of spec["models"] with spec["impl"], in this (fresh)
-    process, one after the other: the peak memory of one training step above
-    what was live before it, and the bytes saved for backward.
+def peak_of(step: Callable[[], Tensor], device: str) -> dict[str, Any]:
+    """The peak memory of one call of `step` above what was live before it.
 
     CUDA: torch.cuda.max_memory_allocated. CPU: growth of the resident-set
-    high-water mark (VmHWM, reset through /proc/self/clear_refs), with glibc
-    told to mmap every block of 64 KiB or more, so that freed tensors leave the
-    process at once and the RSS follows the live tensors (a model freed before
-    the next leaves nothing behind).
+    high-water mark (VmHWM, reset through /proc/self/clear_refs); the caller
+    tells glibc to mmap every block of 64 KiB or more, so that freed tensors
+    leave the process at once and the RSS follows the live tensors.
     """
-    device = spec["device"]
-    if device == "cpu":
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-    out = {}
-    for name in spec["models"]:
-        model, x, step = model_step(name, spec["impl"], device, spec["batches"][name], spec["quick"])
-        step()  # gradients and optimizer buffers exist from here on
-        params = list(model.parameters())
-        saved = saved_bytes(lambda: F.cross_entropy(model(x), torch.zeros(len(x), dtype=torch.long, device=device)),
-                            params + [x])
-        out[name] = {"saved_bytes": saved, **_peak_of(step, device)}
-        del model, x, step, params
-    return out
-
-
-def _peak_of(step: Callable[[], Tensor], device: str) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -151,33 +130,18 @@ def _peak_of(step: Callable[[], Tensor], device: str) -> dict[str, Any]:
         return {"peak_bytes": None, "peak_method": f"unavailable: {err}"}
 
 
-def run_memory(device: str, dtypes: list[torch.dtype], impls: list[str], quick: bool,
-               progress: timing.Progress) -> dict[str, Any]:
-    """Bytes saved per element for each dtype, and each model's saved bytes
-    and peak: one fresh process per implementation."""
+def run_memory(device: str, dtypes: list[torch.dtype], impls: list[str], quick: bool, rounds: int, budget_s: float,
+               max_spread: float, progress: timing.Progress) -> dict[str, Any]:
+    """Bytes saved per element of one activation for each dtype and implementation, and the
+    real models' held bytes, peak and step time under each memory configuration (real.py)."""
+    from . import real
+
     per_element = []
     for dtype in dtypes:
         progress.step(f"memory saved bytes {peers.dtype_name(dtype)}")
         per_element.append({"dtype": peers.dtype_name(dtype),
                             "bytes_per_element": saved_bytes_per_element(device, dtype, impls)})
-    batches = {name: model_batch(name, "memory", quick) for name in MODELS}
-    rows = [{"model": name, "batch": batches[name], "dtype": "float32", "results": {}} for name in MODELS]
-    for impl in [i for i in MODEL_IMPLS if i in impls]:
-        progress.step(f"memory models {impl}")
-        spec = {"models": MODELS, "batches": batches, "impl": impl, "device": device, "quick": quick}
-        out = subprocess.run([sys.executable, "-m", "relu_ext.bench", "--peak-worker", json.dumps(spec)],
-                             capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            raise RuntimeError(f"memory worker for {spec} failed:\n{out.stderr[-3000:]}")
-        per_model = json.loads(out.stdout.strip().splitlines()[-1])
-        for row in rows:
-            row["results"][impl] = per_model[row["model"]]
-    for row in rows:
-        base = row["results"].get("torch")
-        for r in row["results"].values():
-            r["saved_vs_torch"] = r["saved_bytes"] / base["saved_bytes"] if base else None
-            r["peak_vs_torch"] = (r["peak_bytes"] / base["peak_bytes"]
-                                  if base and base["peak_bytes"] and r["peak_bytes"] is not None else None)
+    rows = real.run(device, dtypes, quick, rounds, budget_s, max_spread, progress)
     return {"saved_per_element": per_element, "models": rows}
 
 
@@ -186,7 +150,7 @@ def run_models(device: str, impls: list[str], rounds: int, budget_s: float, quic
     """Training step time of each model, the activations interleaved in rounds."""
     rows = []
     for name in MODELS:
-        batch = model_batch(name, "time", quick)
+        batch = model_batch(name, quick)
         steps = {impl: model_step(name, impl, device, batch, quick)[2] for impl in MODEL_IMPLS if impl in impls}
         samples = timing.interleave(steps, device, rounds, budget_s, lambda impl: progress.step(f"models {name} {impl}"))
         results = {impl: timing.summarize(s, max_spread) for impl, s in samples.items()}

@@ -20,7 +20,7 @@ import relu_ext
 
 ops = torch.ops.relu_ext
 IMPLS = ["torch", "torch_out", "compile", "triton", "seed", "relu_ext", "installed"]
-CASES = ["fwd", "fwd (train)", "bwd", "fwd+bwd", "in-place"]
+CASES = ["fwd", "fwd (train)", "bwd", "fwd+bwd", "in-place", "compact", "expand"]
 SMALL_CASES = ["fwd", "fwd+bwd", "module fwd", "module fwd+bwd"]
 
 # {case: {impl: (fn, bytes it must move at least)}}
@@ -208,6 +208,12 @@ def kernel_cases(x: Tensor, impls: list[str]) -> Cases:
             cases["fwd (train)"][impl] = (lambda: ops.relu_fwd(x), 2 * n * e + mask_bytes)
             cases["bwd"][impl] = (lambda: ops.relu_bwd(g, mask), 2 * n * e + mask_bytes)
             cases["in-place"][impl] = (_no_grad(lambda: relu_ext.relu(buf, inplace=True)), 2 * n * e)
+            # save_compact's ops on a ReLU output with its mask: read it all, write what is kept, and back.
+            values, _ = ops.compact(y_ref, mask)
+            kept = values.numel() * e
+            cases["compact"][impl] = (lambda: ops.compact(y_ref, mask), n * e + mask_bytes + kept)
+            cases["expand"][impl] = (lambda: ops.expand(values, mask, y_ref.shape, y_ref.stride()),
+                                     kept + mask_bytes + n * e)
     return {c: v for c, v in cases.items() if v}
 
 

@@ -89,7 +89,9 @@ def _gbs(g: float) -> str:
     return f"{g:5.0f}" if g >= 99.95 else f"{g:5.1f}"
 
 
-def _ratio(v: float) -> str:
+def _ratio(v: float | None) -> str:
+    if v is None:  # a case torch has no counterpart for (compact, expand)
+        return "   -"
     return f"{v:4.2f}" if v < 9.995 else f"{v:4.1f}" if v < 99.95 else f"{v:4.0f}"
 
 
@@ -110,6 +112,33 @@ def _grid(rows: list[dict[str, Any]], title: str, lead_head: str, lead: Callable
         for r in (r for r in rows if r["dtype"] == dtype):
             lines.append(lead(r) + " ".join(cell(i, r["results"][i]) if i in r["results"] else " " * width(i)
                                             for i in impls))
+    return lines
+
+
+def memory_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The real models' table: per model and dtype, for each configuration, MiB held by the
+    graph after forward, peak MiB of a training step and its time, each with its ratio to
+    nn.ReLU's (<1: less)."""
+    if not rows:
+        return []
+    configs = list(rows[0]["results"])
+    lines = ["", "real models, training mode: value and vs nn.ReLU (<1 less) for each configuration",
+             f"{'model':12} {'dtype':8} {'input':10} {'':5}" + "".join(f"{c:>17}" for c in configs)]
+    metrics = [("held", lambda m: m["held_bytes"] / 2**20, "held_vs_torch", "MiB"),
+               ("peak", lambda m: None if m["peak_bytes"] is None else m["peak_bytes"] / 2**20, "peak_vs_torch", "MiB"),
+               ("step", lambda m: m["median_s"] * 1e3, "vs_torch", "ms")]
+    for r in rows:
+        for k, (label, value, ratio, unit) in enumerate(metrics):
+            lead = f"{r['model']:12} {r['dtype']:8} {r['input']:10} " if k == 0 else " " * 33
+            cells = []
+            for m in r["results"].values():
+                v, q = value(m), m[ratio]
+                cell = (f"{v:9.1f}" if v is not None else f"{'n/a':>9}") + (f" {q:5.2f}" if q is not None else "   n/a")
+                cells.append(f"{cell:>16}" + (_mark(m["marks"]) if label == "step" else " "))
+            lines.append(f"{lead}{label + ' ' + unit:>5}"[:38].ljust(38) + "".join(cells))
+    methods = {m["peak_method"] for r in rows for m in r["results"].values()}
+    lines.append("  held: distinct storages kept by saved tensors (parameters and inputs aside), exact")
+    lines.append(f"  peak: {', '.join(sorted(methods))}"[:WIDTH])
     return lines
 
 
@@ -145,16 +174,7 @@ def format_tables(result: dict[str, Any]) -> str:
         lines += ["", "memory saved for backward, bytes per element of one activation"]
         for r in memory["saved_per_element"]:
             lines.append(f"  {r['dtype']:9} " + "  ".join(f"{k} {v:.3f}" for k, v in r["bytes_per_element"].items()))
-        lines += ["", "one float32 training step: saved for backward / peak above the live set, MiB [vs torch]"]
-        for r in memory["models"]:
-            cells = []
-            for impl, m in r["results"].items():
-                peak = f"{m['peak_bytes'] / 2**20:.1f}" if m["peak_bytes"] is not None else "n/a"
-                vs = f"{m['saved_vs_torch']:.2f}/{m['peak_vs_torch']:.2f}" if m["peak_vs_torch"] else "-"
-                cells.append(f"{impl} {m['saved_bytes'] / 2**20:.1f}/{peak} [{vs}]")
-            lines.append(f"  {r['model']:11} batch {r['batch']:4}  " + "  ".join(cells))
-        methods = {m["peak_method"] for r in memory["models"] for m in r["results"].values()}
-        lines.append(f"  peak measured by: {', '.join(sorted(methods))}")
+        lines += memory_lines(memory["models"])
     models = result.get("models", [])
     if models:
         lines += ["", "training step time (forward, loss, backward, SGD), ms, time vs torch"]
@@ -206,7 +226,8 @@ def plot(result: dict[str, Any], path: str) -> list[tuple[str, str]] | None:
         if not ax.has_data():
             ax.set_visible(False)
     handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines() if not h.get_label().startswith("_")}
-    fig.legend(handles.values(), handles.keys(), loc="upper right", fontsize=8, ncol=len(handles))
+    if handles:  # a run of bar panels only (--what memory) has no lines to name
+        fig.legend(handles.values(), handles.keys(), loc="upper right", fontsize=8, ncol=len(handles))
     fig.suptitle(f"relu_ext vs peers: {env.get('gpu') or env['cpu']}, torch {env['torch']}, {env['date'][:10]}, "
                  f"load {_load(env['load_start'])}; hollow markers: marked not trustworthy", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
@@ -284,13 +305,25 @@ def _bars(ax: Any, groups: list[str], values: dict[str, list[float]], title: str
 def _saved_panel(ax: Any, memory: dict[str, Any]) -> tuple[str, str]:
     rows = memory["saved_per_element"]
     impls = [i for i in peers.IMPLS if i in rows[0]["bytes_per_element"]]
-    return _bars(ax, [r["dtype"] for r in rows], {i: [r["bytes_per_element"][i] for r in rows] for i in impls},
-                 "saved for backward, per element", "bytes (lower is better)")
+    panel = _bars(ax, [r["dtype"] for r in rows], {i: [r["bytes_per_element"][i] for r in rows] for i in impls},
+                  "saved for backward, per element", "bytes (lower is better)")
+    ax.legend(fontsize=7)
+    return panel
 
 
 def _peak_panel(ax: Any, memory: dict[str, Any]) -> tuple[str, str]:
     rows = memory["models"]
-    impls = [i for i in peers.IMPLS if i in rows[0]["results"]]
-    return _bars(ax, [f"{r['model']}\nbatch {r['batch']}" for r in rows],
-                 {i: [(r["results"][i]["peak_bytes"] or 0) / 2**20 for r in rows] for i in impls},
-                 "training step peak above live set", "MiB (lower is better)")
+    configs = list(rows[0]["results"])
+    width = 0.8 / len(configs)
+    for k, config in enumerate(configs):
+        ax.bar([g + k * width for g in range(len(rows))], [r["results"][config]["held_vs_torch"] for r in rows],
+               width, color=f"C{k}", label=config)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks([g + width * (len(configs) - 1) / 2 for g in range(len(rows))],
+                  [f"{r['model']}\n{r['dtype']}" for r in rows], fontsize=7, rotation=45)
+    title, ylabel = "held by the graph after forward, vs nn.ReLU", "ratio (lower is better)"
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    return title, ylabel

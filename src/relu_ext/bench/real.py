@@ -1,0 +1,192 @@
+"""Real models (torchvision, transformers; random weights, built from configs) under four
+memory configurations: the bytes their autograd graph holds after forward, the peak of one
+training step, and its time.
+
+Configurations: ``nn.ReLU`` (PyTorch as it is), ``install`` (relu_ext.install(): every ReLU
+is relu_ext's), ``install+compact`` (and relu_ext.save_compact() around the forward),
+``nn.ReLU+compact`` (save_compact() alone, on PyTorch's own ReLU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import subprocess
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+import relu_ext
+
+from . import models, peers, timing
+
+MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "t5_relu"]
+QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
+CONFIGS = ["nn.ReLU", "install", "install+compact", "nn.ReLU+compact"]
+# Images per batch at 112x112 (64x64 with --quick): what this 2-core machine steps through in about a second.
+BATCH = {"resnet18": 16, "resnet50": 8, "vgg11": 8, "googlenet": 16, "densenet121": 8, "t5_relu": 8}
+
+
+def build(name: str, dtype: torch.dtype, device: str, quick: bool) -> tuple[nn.Module, Any]:
+    """(model in training mode, its inputs), random weights, seeded."""
+    torch.manual_seed(0)
+    if name == "t5_relu":
+        import transformers
+
+        width = 64 if quick else 256
+        config = transformers.T5Config(
+            vocab_size=512, d_model=width, d_kv=width // 8, d_ff=4 * width, num_layers=2 if quick else 4,
+            num_decoder_layers=2 if quick else 4, num_heads=8, feed_forward_proj="relu", dropout_rate=0.1,
+            decoder_start_token_id=0, pad_token_id=0,
+        )
+        model = transformers.T5ForConditionalGeneration(config)
+        batch, length = (2, 16) if quick else (BATCH[name], 128)
+        g = torch.Generator().manual_seed(0)
+        inputs = {"input_ids": torch.randint(1, 512, (batch, length), generator=g).to(device),
+                  "labels": torch.randint(1, 512, (batch, length), generator=g).to(device)}
+    else:
+        import torchvision
+
+        kwargs = {"aux_logits": False, "init_weights": True} if name == "googlenet" else {}
+        model = getattr(torchvision.models, name)(weights=None, **kwargs)
+        batch, side = (2, 64) if quick else (BATCH[name], 112)
+        inputs = torch.randn(batch, 3, side, side, dtype=dtype, device=device)
+    return model.to(device=device, dtype=dtype).train(), inputs
+
+
+def describe(name: str, inputs: Any) -> str:
+    """The input, for the table: batch x 3 x side^2, or batch x tokens."""
+    if isinstance(inputs, dict):
+        b, n = inputs["input_ids"].shape
+        return f"{b}x{n} tok"
+    b, _, h, w = inputs.shape
+    return f"{b}x{h}x{w}"
+
+
+def loss_of(model: nn.Module, inputs: Any) -> Tensor:
+    if isinstance(inputs, dict):
+        return model(**inputs).loss
+    return model(inputs).float().square().mean()
+
+
+def compacting(config: str) -> bool:
+    return config.endswith("+compact")
+
+
+def installing(config: str) -> Callable[[], Any]:
+    """What a configuration's blocks run under: install() (process-wide) or nothing."""
+    return relu_ext.install if config.startswith("install") else contextlib.nullcontext
+
+
+def held_bytes(model: nn.Module, inputs: Any, config: str) -> int:
+    """Bytes of the distinct storages the graph holds after forward (parameters and inputs
+    aside), counted from what the saved-tensor hooks keep: exact, whatever the allocator."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
+    seen: dict[int, int] = {}
+
+    def record(tensors: tuple[Tensor, ...]) -> None:
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.data_ptr() not in skip:
+                seen[s.data_ptr()] = s.nbytes()
+
+    if compacting(config):
+        inner = relu_ext.save_compact()
+
+        def pack(t: Tensor) -> Any:
+            packed = inner.pack_hook(t)
+            record(packed.held())
+            return packed
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, inner.unpack_hook)
+    else:
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: record((t,)) or t, lambda t: t)
+    torch.manual_seed(1)
+    with installing(config)(), hooks:
+        loss = loss_of(model, inputs)
+    del loss
+    return sum(seen.values())
+
+
+def step_fn(model: nn.Module, inputs: Any, config: str) -> Callable[[], Tensor]:
+    """One training step (forward under the configuration, backward, SGD), for the timer."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step() -> Tensor:
+        opt.zero_grad(set_to_none=False)
+        with relu_ext.save_compact() if compacting(config) else contextlib.nullcontext():
+            loss = loss_of(model, inputs)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step.context = installing(config)  # type: ignore[attr-defined]  (see timing.Sampler)
+    return step
+
+
+def peak_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """In this (fresh) process, for one configuration: the peak of one training step of each
+    model and dtype above what was live before it (models.peak_of)."""
+    device, config, quick = spec["device"], spec["config"], spec["quick"]
+    if device == "cpu":
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave at once
+    out: dict[str, Any] = {}
+    for name in spec["models"]:
+        for dtype in spec["dtypes"]:
+            model, inputs = build(name, getattr(torch, dtype), device, quick)
+            step = step_fn(model, inputs, config)
+            with step.context():
+                step()  # gradients exist from here on
+                out[f"{name}/{dtype}"] = models.peak_of(step, device)
+            del model, inputs, step
+    return out
+
+
+def run(device: str, dtypes: list[torch.dtype], quick: bool, rounds: int, budget_s: float, max_spread: float,
+        progress: timing.Progress) -> list[dict[str, Any]]:
+    """One row per model and dtype: held bytes, peak and step time of each configuration,
+    and each vs nn.ReLU's. Step times run interleaved in rounds; peaks come from one fresh
+    process per configuration."""
+    names = QUICK_MODELS if quick else MODELS
+    peaks = {}
+    for config in CONFIGS:
+        progress.step(f"memory peak {config}")
+        spec = {"device": device, "config": config, "quick": quick, "models": names,
+                "dtypes": [peers.dtype_name(d) for d in dtypes]}
+        out = subprocess.run([sys.executable, "-m", "relu_ext.bench", "--peak-worker", json.dumps(spec)],
+                             capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"memory peak worker for {config} failed:\n{out.stderr[-3000:]}")
+        peaks[config] = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = []
+    for name in names:
+        for dtype in dtypes:
+            model, inputs = build(name, dtype, device, quick)
+            key = f"{name}/{peers.dtype_name(dtype)}"
+            held = {}
+            for config in CONFIGS:
+                progress.step(f"memory held {key} {config}")
+                held[config] = held_bytes(model, inputs, config)
+            steps = {config: step_fn(model, inputs, config) for config in CONFIGS}
+            samples = timing.interleave(steps, device, rounds, budget_s, lambda c: progress.step(f"memory time {key} {c}"))
+            results = {}
+            for config in CONFIGS:
+                r = timing.summarize(samples[config], max_spread)
+                r.update(held_bytes=held[config], held_vs_torch=held[config] / held["nn.ReLU"],
+                         vs_torch=timing.paired(samples[config], samples["nn.ReLU"]), **peaks[config][key])
+                base = peaks["nn.ReLU"][key]["peak_bytes"]
+                r["peak_vs_torch"] = r["peak_bytes"] / base if base and r["peak_bytes"] is not None else None
+                results[config] = r
+            rows.append({"model": name, "dtype": peers.dtype_name(dtype), "input": describe(name, inputs),
+                         "results": results})
+            del model, inputs, steps
+    return rows
+
+
+def steps(dtypes: int, rounds: int, quick: bool) -> int:
+    """Progress steps of run()."""
+    return len(CONFIGS) + len(QUICK_MODELS if quick else MODELS) * dtypes * len(CONFIGS) * (1 + rounds)
