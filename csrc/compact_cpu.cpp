@@ -82,7 +82,7 @@ int64_t compact_chunk(const U* y, const uint8_t* mask, int64_t n, int64_t b0, in
       k += keep;
       missed += (keep ^ 1u) & unsigned(v != 0);
     }
-    std::memcpy(out, buf, sizeof(U) * k);
+    if (k > 0) std::memcpy(out, buf, sizeof(U) * k);  // out may be null when nothing is kept at all
     out += k;
   }
   return missed;
