@@ -178,40 +178,20 @@ void check_compaction_mask(const at::Tensor& mask, const at::Tensor& t, const ch
               " but the tensor has ", t.numel(), " elements, which need a contiguous 1-D mask of ", need, " bytes");
 }
 
-// A dense tensor's elements in memory order, as integers of their width (a view).
-at::Tensor memory_order_bits(const at::Tensor& t) {
-  static const at::ScalarType ints[] = {at::kByte, at::kByte, at::kShort, at::kShort, at::kInt,
-                                        at::kInt,  at::kInt,  at::kInt,   at::kLong};
-  return t.as_strided({t.numel()}, {1}, t.storage_offset()).view(ints[t.element_size()]);
-}
-
-at::Tensor unpack_bits(const at::Tensor& mask, int64_t n) {
-  const at::Tensor shifts = at::arange(8, mask.options());
-  return mask.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1).to(at::kBool).flatten().slice(0, 0, n);
-}
-
-at::Tensor pack_bits(const at::Tensor& keep) {
-  const int64_t n = keep.numel(), bytes = (n + 7) / 8;
-  at::Tensor padded = at::zeros({bytes * 8}, keep.options().dtype(at::kByte));
-  padded.slice(0, 0, n).copy_(keep);
-  const at::Tensor weights = at::pow(2, at::arange(8, keep.options().dtype(at::kLong))).to(at::kByte);
-  return padded.view({bytes, 8}).mul(weights).sum(1, false, at::kByte);
-}
-
-// The CPU kernels are compact_cpu.cpp's; on CUDA the ops are composed of ATen
-// ops for now (correct, not fast), until CUDA kernels of their own exist.
+// The CPU kernels are compact_cpu.cpp's, the CUDA ones relu_cuda.cu's.
 std::tuple<at::Tensor, at::Tensor> compact(const at::Tensor& y, const at::Tensor& mask) {
   check_compactable(y, "relu_ext::compact", "y");
   check_compaction_mask(mask, y, "relu_ext::compact");
-  int64_t missed = 0;
-  at::Tensor values;
-  if (y.is_cpu()) {
-    values = compact_cpu(y, mask.const_data_ptr<uint8_t>(), &missed);
-    return {values, at::scalar_tensor(missed, y.options().dtype(at::kLong))};
+#ifdef WITH_CUDA
+  if (y.is_cuda()) {
+    at::Tensor missed;
+    at::Tensor values = compact_cuda(y, mask.const_data_ptr<uint8_t>(), missed);
+    return {values, missed};
   }
-  const at::Tensor bits = memory_order_bits(y), keep = unpack_bits(mask, y.numel());
-  values = bits.masked_select(keep).view(y.scalar_type());
-  return {values, bits.masked_select(keep.logical_not()).ne(0).sum()};
+#endif
+  int64_t missed = 0;
+  at::Tensor values = compact_cpu(y, mask.const_data_ptr<uint8_t>(), &missed);
+  return {values, at::scalar_tensor(missed, y.options().dtype(at::kLong))};
 }
 
 at::Tensor expand(const at::Tensor& values, const at::Tensor& mask, c10::SymIntArrayRef size,
@@ -222,24 +202,25 @@ at::Tensor expand(const at::Tensor& values, const at::Tensor& mask, c10::SymIntA
   TORCH_CHECK(out.is_non_overlapping_and_dense(), "relu_ext::expand: size ", out.sizes(), " and stride ",
               out.strides(), " are not a dense layout");
   check_compaction_mask(mask, out, "relu_ext::expand");
-  if (out.is_cpu()) {
-    expand_cpu(values, mask.const_data_ptr<uint8_t>(), out);
+#ifdef WITH_CUDA
+  if (out.is_cuda()) {
+    expand_cuda(values, mask.const_data_ptr<uint8_t>(), out);
     return out;
   }
-  const at::Tensor keep = unpack_bits(mask, out.numel());
-  const int64_t kept = keep.sum().item<int64_t>();
-  TORCH_CHECK(kept == values.numel(), "relu_ext::expand: the mask keeps ", kept, " elements but values has ",
-              values.numel());
-  at::Tensor bits = memory_order_bits(out);
-  bits.zero_();
-  bits.masked_scatter_(keep, memory_order_bits(values));
+#endif
+  expand_cpu(values, mask.const_data_ptr<uint8_t>(), out);
   return out;
 }
 
 at::Tensor nonzero_mask(const at::Tensor& y) {
   check_compactable(y, "relu_ext::nonzero_mask", "y");
-  if (!y.is_cpu()) return pack_bits(memory_order_bits(y).ne(0));
   at::Tensor mask = new_mask(y);
+#ifdef WITH_CUDA
+  if (y.is_cuda()) {
+    nonzero_mask_cuda(y, mask.data_ptr<uint8_t>());
+    return mask;
+  }
+#endif
   nonzero_mask_cpu(y, mask.data_ptr<uint8_t>());
   return mask;
 }

@@ -98,6 +98,13 @@ void backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor
 // kernels (1, 2 or 4; all three are compiled): for tests and tuning.
 int cuda_unroll();
 void set_cuda_unroll(int64_t rows);
+// Compaction as the CPU's above, on y's device and current stream. compact
+// sets `missed` to an int64 scalar tensor on the device (not read back: the
+// one host sync is for the size of values); nonzero_mask's mask must be
+// 4-byte aligned (a fresh allocation is).
+at::Tensor compact_cuda(const at::Tensor& y, const uint8_t* mask, at::Tensor& missed);
+void expand_cuda(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out);
+void nonzero_mask_cuda(const at::Tensor& y, uint8_t* mask);
 #endif
 
 }  // namespace relu_ext

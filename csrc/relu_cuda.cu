@@ -2,6 +2,7 @@
 // of the device code in relu_cuda_kernels.cuh.
 #include "relu_cuda_kernels.cuh"
 
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -126,6 +127,108 @@ void backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor
     } else {
       const auto kernel = bwd_kernel<U, 1, 1>;
       kernel<<<grid_for(kernel, n, device), kThreads, 0, stream>>>(gp, mask, op, n);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+namespace {
+
+// Calls fn(U{}) with the unsigned integer of `t`'s element width.
+template <typename Fn>
+void dispatch_width(const at::Tensor& t, Fn&& fn) {
+  switch (t.element_size()) {
+    case 2: fn(uint16_t{}); break;
+    case 4: fn(uint32_t{}); break;
+    case 8: fn(uint64_t{}); break;
+    default: TORCH_CHECK(false, "relu_ext: no compaction for elements of ", t.element_size(), " bytes");
+  }
+}
+
+// The inclusive sum of the kept elements of each tile of the mask (n > 0);
+// compact and expand read where each tile's values start from it.
+at::Tensor tile_ends(const uint8_t* mask, int64_t n, const at::Tensor& like, cudaStream_t stream) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  at::Tensor counts = at::empty({tiles}, like.options().dtype(at::kLong));
+  const auto kernel = count_kernel;
+  kernel<<<grid_for(kernel, tiles * 32, like.get_device()), kThreads, 0, stream>>>(mask, n, counts.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return at::cumsum(counts, 0);
+}
+
+// The total of tile_ends: the one device-to-host sync, to size (or check) values.
+int64_t kept_total(const at::Tensor& ends) { return ends[ends.numel() - 1].item<int64_t>(); }
+
+}  // namespace
+
+at::Tensor compact_cuda(const at::Tensor& y, const uint8_t* mask, at::Tensor& missed) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  missed = at::zeros({}, y.options().dtype(at::kLong));
+  const int64_t n = y.numel();
+  if (n == 0) return at::empty({0}, y.options());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor ends = tile_ends(mask, n, y, stream);
+  at::Tensor values = at::empty({kept_total(ends)}, y.options());
+  const bool vec = aligned16(y.const_data_ptr());
+  dispatch_width(y, [&](auto u) {
+    using U = decltype(u);
+    const U* yp = static_cast<const U*>(y.const_data_ptr());
+    U* vp = static_cast<U*>(values.data_ptr());  // null when nothing is kept: then never written
+    auto* mp = reinterpret_cast<unsigned long long*>(missed.data_ptr<int64_t>());
+    const auto kernel = vec ? compact_kernel<U, 16 / sizeof(U)> : compact_kernel<U, 1>;
+    const int64_t tiles = (n + kTile - 1) / kTile;
+    kernel<<<grid_for(kernel, tiles * 32, y.get_device()), kThreads, 0, stream>>>(
+        yp, mask, ends.const_data_ptr<int64_t>(), n, vp, mp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return values;
+}
+
+void expand_cuda(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out) {
+  const int64_t n = out.numel(), total = values.numel();
+  if (n == 0) {
+    TORCH_CHECK(total == 0, "relu_ext::expand: the mask keeps 0 elements but values has ", total);
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor ends = tile_ends(mask, n, out, stream);
+  const int64_t kept = kept_total(ends);
+  TORCH_CHECK(kept == total, "relu_ext::expand: the mask keeps ", kept, " elements but values has ", total);
+  const bool vec = aligned16(out.data_ptr());
+  dispatch_width(out, [&](auto u) {
+    using U = decltype(u);
+    const U* vp = static_cast<const U*>(values.const_data_ptr());
+    U* op = static_cast<U*>(out.data_ptr());
+    const auto kernel = vec ? expand_kernel<U, 16 / sizeof(U)> : expand_kernel<U, 1>;
+    const int64_t tiles = (n + kTile - 1) / kTile;
+    kernel<<<grid_for(kernel, tiles * 32, out.get_device()), kThreads, 0, stream>>>(
+        vp, mask, ends.const_data_ptr<int64_t>(), n, op);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void nonzero_mask_cuda(const at::Tensor& y, uint8_t* mask) {
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(mask) % 4 == 0, "nonzero_mask_cuda stores 32-bit mask words");
+  const c10::cuda::CUDAGuard guard(y.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int device = y.get_device();
+  const bool vec = aligned16(y.const_data_ptr());
+  dispatch_width(y, [&](auto u) {
+    using U = decltype(u);
+    constexpr int V = 16 / sizeof(U);
+    const U* yp = static_cast<const U*>(y.const_data_ptr());
+    if (vec) {
+      with_unroll([&](auto unroll) {
+        constexpr int K = decltype(unroll)::value;
+        const auto kernel = nonzero_kernel<U, V, K>;
+        kernel<<<grid_for(kernel, (n + V * K - 1) / (V * K), device), kThreads, 0, stream>>>(yp, mask, n);
+      });
+    } else {
+      const auto kernel = nonzero_kernel<U, 1, 1>;
+      kernel<<<grid_for(kernel, n, device), kThreads, 0, stream>>>(yp, mask, n);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

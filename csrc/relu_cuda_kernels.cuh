@@ -10,7 +10,8 @@
 // unroll, a run-time choice among the compiled K = 1, 2, 4: set_cuda_unroll).
 // Forward: ballot j of a row collects bit j of every lane; regrouping the V
 // ballots gives the V 32-bit mask words of the row, which lanes 0..V-1 store.
-// Backward: the V mask bits of a lane's vector share one byte.
+// Backward: the V mask bits of a lane's vector share one byte. nonzero_kernel
+// builds its bitmap as the forward does; compaction has its own section below.
 // Indices are 64-bit throughout; loops are grid-stride over a grid of at most
 // the blocks that fit on the device at once, so any size runs in one wave.
 #pragma once
@@ -110,6 +111,17 @@ __device__ __forceinline__ void store(U* p, int64_t base, int64_t n, const Pack<
   }
 }
 
+// Mask word `word` (4-byte aligned mask); the mask is ceil(n / 8) bytes, so a
+// word at the end stores only those.
+__device__ __forceinline__ void store_mask_word(uint8_t* mask, int64_t word, uint32_t w, int64_t n) {
+  const int64_t first = word * 32;
+  if (first + 32 <= n) {
+    reinterpret_cast<uint32_t*>(mask)[word] = w;
+  } else if (first < n) {
+    for (int64_t b = 0; b < (n - first + 7) / 8; ++b) mask[word * 4 + b] = static_cast<uint8_t>(w >> (8 * b));
+  }
+}
+
 // The kernels' loop: groups of K rows of 32 * V elements, grid-stride, one
 // group per warp at a time. body(row, lane) runs with the group's first row;
 // lane `lane` has the V elements from row * 32 * V + lane * V in each row.
@@ -147,16 +159,7 @@ __global__ void __launch_bounds__(kThreads)
         ballot[j] = __ballot_sync(0xFFFFFFFFu, keep);
       }
       store<U, V>(y, row * kRow + lane * V, n, out);
-      if (mask != nullptr && lane < V) {
-        const int64_t word = row * V + lane;
-        const int64_t first = word * 32;
-        const uint32_t w = tile_word<V>(ballot, lane);
-        if (first + 32 <= n) {
-          reinterpret_cast<uint32_t*>(mask)[word] = w;
-        } else if (first < n) {  // the mask is ceil(n / 8) bytes: store only those
-          for (int64_t b = 0; b < (n - first + 7) / 8; ++b) mask[word * 4 + b] = static_cast<uint8_t>(w >> (8 * b));
-        }
-      }
+      if (mask != nullptr && lane < V) store_mask_word(mask, row * V + lane, tile_word<V>(ballot, lane), n);
     }
   });
 }
@@ -193,6 +196,164 @@ __global__ void __launch_bounds__(kThreads) int_kernel(const T* x, T* y, int64_t
     const T v = x[i];
     y[i] = v > T(0) ? v : T(0);  // not `v < 0`: that is always false (and warned) for uint8
   }
+}
+
+
+// --- Compaction (save_compact) -----------------------------------------------
+// Same contract as compact_cpu.cpp: elements move as integers of their width,
+// mask bits past n are ignored. A warp owns tiles of kTile elements
+// (grid-stride). count_kernel writes each tile's number of kept elements;
+// their inclusive sum (at::cumsum on the device) tells each tile where its
+// values start, so tiles need nothing from each other. In compact and expand
+// a warp walks its tile in rows of 32 * V elements (a lane: one 16-byte
+// vector, or V = 1 when unaligned), kRowsInFlight rows loaded before the
+// first is used; the ballots of a row's mask bits tell each lane how many
+// kept elements the lanes below it have, so a row's values are contiguous
+// and in memory order. The mask may have any alignment: it is read by bytes.
+
+constexpr int64_t kTile = 2048;
+constexpr int kRowsInFlight = 4;
+static_assert(kTile % (32 * 8 * kRowsInFlight) == 0, "a tile must be whole groups of rows of every V");
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, d);
+  return v;
+}
+
+// body(tile, lane) for each of this warp's tiles; the whole warp takes the
+// same tiles, so every lane reaches every collective in the body.
+template <typename Body>
+__device__ __forceinline__ void for_each_tile(int64_t n, Body&& body) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int lane = threadIdx.x & 31;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; t < tiles; t += nwarps) {
+    body(t, lane);
+  }
+}
+
+// Mask bits of elements first .. first + V - 1 (bit j: element first + j),
+// those past n cleared (the last byte may hold garbage there). V divides 8
+// and `first` is a multiple of V, so they lie in one byte.
+template <int V>
+__device__ __forceinline__ uint32_t mask_bits(const uint8_t* mask, int64_t first, int64_t n) {
+  if (first >= n) return 0;
+  const uint32_t bits = (uint32_t(mask[first >> 3]) >> (first & 7)) & ((1u << V) - 1u);
+  return n - first >= V ? bits : bits & ((1u << (n - first)) - 1u);
+}
+
+// counts[t]: the kept elements of tile t; a lane counts every 32nd byte.
+__global__ void __launch_bounds__(kThreads)
+    count_kernel(const uint8_t* __restrict__ mask, int64_t n, int64_t* __restrict__ counts) {
+  for_each_tile(n, [&](int64_t t, int lane) {
+    uint32_t kept = 0;
+#pragma unroll
+    for (int j = 0; j < kTile / 8 / 32; ++j) kept += __popc(mask_bits<8>(mask, (t * (kTile / 8) + j * 32 + lane) * 8, n));
+    kept = warp_sum(kept);
+    if (lane == 0) counts[t] = kept;
+  });
+}
+
+// Tile t's rows, kRowsInFlight at a time: load(k, first) for each row of the
+// group, then body(k, first, bits, at), where `first` is the lane's first
+// element of row k, `bits` its V mask bits and `at` the index in values of
+// its first kept element. ends: the inclusive sum of count_kernel's counts.
+template <int V, typename Load, typename Body>
+__device__ __forceinline__ void for_each_row(const uint8_t* mask, const int64_t* ends, int64_t n, int64_t t, int lane,
+                                             Load&& load, Body&& body) {
+  constexpr int64_t kRow = 32 * V;
+  const int64_t end = (t + 1) * kTile < n ? (t + 1) * kTile : n;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  int64_t at = t == 0 ? 0 : ends[t - 1];
+  for (int64_t row0 = t * kTile; row0 < end; row0 += kRow * kRowsInFlight) {
+    uint32_t bits[kRowsInFlight];
+    int64_t where[kRowsInFlight];
+#pragma unroll
+    for (int k = 0; k < kRowsInFlight; ++k) {
+      const int64_t first = row0 + k * kRow + lane * V;
+      bits[k] = mask_bits<V>(mask, first, n);
+      load(k, first);
+    }
+#pragma unroll
+    for (int k = 0; k < kRowsInFlight; ++k) {
+      uint32_t before = 0, row_kept = 0;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, (bits[k] >> j) & 1u);
+        before += __popc(ballot & lanes_below);
+        row_kept += __popc(ballot);
+      }
+      where[k] = at + before;
+      at += row_kept;
+    }
+#pragma unroll
+    for (int k = 0; k < kRowsInFlight; ++k) body(k, row0 + k * kRow + lane * V, bits[k], where[k]);
+  }
+}
+
+// values: exactly the kept elements; *missed (zeroed before) gets the number
+// of the others that are not +0, one atomic per warp.
+template <typename U, int V>
+__global__ void __launch_bounds__(kThreads)
+    compact_kernel(const U* __restrict__ y, const uint8_t* __restrict__ mask, const int64_t* __restrict__ ends,
+                   int64_t n, U* __restrict__ values, unsigned long long* __restrict__ missed) {
+  unsigned long long dropped = 0;  // this lane's unkept elements that are not +0
+  for_each_tile(n, [&](int64_t t, int lane) {
+    Pack<U, V> in[kRowsInFlight];  // past n: +0, unkept
+    for_each_row<V>(
+        mask, ends, n, t, lane, [&](int k, int64_t first) { in[k] = load<U, V>(y, first, n); },
+        [&](int k, int64_t, uint32_t bits, int64_t at) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            if ((bits >> j) & 1u) {
+              values[at++] = in[k].v[j];
+            } else {
+              dropped += in[k].v[j] != U(0);
+            }
+          }
+        });
+  });
+  dropped = warp_sum(dropped);
+  if ((threadIdx.x & 31) == 0 && dropped != 0) atomicAdd(missed, dropped);
+}
+
+// The inverse: out gets values in the kept places and +0 elsewhere. Reads of
+// values stay below the mask's kept count, which the host has checked is
+// values' size.
+template <typename U, int V>
+__global__ void __launch_bounds__(kThreads)
+    expand_kernel(const U* __restrict__ values, const uint8_t* __restrict__ mask, const int64_t* __restrict__ ends,
+                  int64_t n, U* __restrict__ out) {
+  for_each_tile(n, [&](int64_t t, int lane) {
+    for_each_row<V>(
+        mask, ends, n, t, lane, [](int, int64_t) {},
+        [&](int, int64_t first, uint32_t bits, int64_t at) {
+          Pack<U, V> o;
+#pragma unroll
+          for (int j = 0; j < V; ++j) o.v[j] = ((bits >> j) & 1u) ? values[at++] : U(0);
+          store<U, V>(out, first, n, o);
+        });
+  });
+}
+
+// Bitmap of the elements that are not +0, built like the forward's mask.
+template <typename U, int V, int K>
+__global__ void __launch_bounds__(kThreads) nonzero_kernel(const U* __restrict__ y, uint8_t* __restrict__ mask, int64_t n) {
+  constexpr int64_t kRow = 32 * V;
+  for_each_group<V, K>(n, [&](int64_t row0, int lane) {
+    Pack<U, V> in[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) in[k] = load<U, V>(y, (row0 + k) * kRow + lane * V, n);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      uint32_t ballot[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) ballot[j] = __ballot_sync(0xFFFFFFFFu, in[k].v[j] != U(0));
+      if (lane < V) store_mask_word(mask, (row0 + k) * V + lane, tile_word<V>(ballot, lane), n);
+    }
+  });
 }
 
 }  // namespace

@@ -2,12 +2,15 @@
 // its indexing, tails, grid-stride loops, unrolls and warp-ballot mask words
 // are checked on machines without a GPU (tests/test_cuda_emulation.py builds
 // and runs this). A warp is 32 fibers (ucontext), one per lane; each runs
-// until it reaches __ballot_sync, and the ballot returns once all 32 lanes
-// have reached it (a lane that finishes while others wait is reported: a
-// diverged ballot). Warps, then blocks, run one after another.
+// until it reaches a warp collective (__ballot_sync, __shfl_xor_sync), which
+// returns once all 32 lanes have reached it, from what they all brought to it
+// (lanes at different collectives, or a lane that finishes while others
+// wait, are reported: a diverged warp). Warps, then blocks, run one after
+// another; atomics are plain adds (lanes run one at a time).
 //
 // Every kernel is compared with the element-wise contract of relu.h (the one
-// the CPU kernels follow, and those are compared with torch.relu), on random
+// the CPU kernels follow, and those are compared with torch.relu), and the
+// compaction kernels with a scalar compaction of the same data, on random
 // bit patterns with every special value, with the outputs poisoned and guard
 // elements around them: an element or mask byte written wrong, not written,
 // or written out of bounds fails; inputs end where their data ends, so that
@@ -24,6 +27,7 @@
 #include <memory>
 #include <new>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 struct Dim3 {
@@ -32,6 +36,14 @@ struct Dim3 {
 // The CUDA built-ins the kernels read, set by the emulator before each lane runs.
 Dim3 threadIdx, blockIdx, gridDim;
 uint32_t __ballot_sync(uint32_t mask, bool predicate);
+template <typename T>
+T __shfl_xor_sync(uint32_t mask, T value, int lane_mask);
+inline int __popc(uint32_t x) { return __builtin_popcount(x); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  *p += v;
+  return old;
+}
 
 #define __global__
 #define __device__
@@ -55,11 +67,18 @@ constexpr int kLanes = 32;
 ucontext_t scheduler;
 ucontext_t lane_ctx[kLanes];
 std::vector<char> stacks[kLanes];
-bool at_ballot[kLanes];
 bool finished[kLanes];
 int current_lane;
-uint32_t votes;   // of the ballot being collected
-uint32_t result;  // of the last completed ballot
+// What each lane brought to the collective being collected (kind 0: not at
+// one), and, once all 32 have, a copy that the lanes read when they resume
+// (before any of them can bring something to the next one).
+struct Arrival {
+  int kind;
+  int param;
+  uint64_t value;
+};
+Arrival arrival[kLanes];
+uint64_t brought[kLanes];
 std::function<void()> warp_body;
 
 void lane_main() {
@@ -67,15 +86,31 @@ void lane_main() {
   finished[current_lane] = true;  // uc_link returns to the scheduler
 }
 
+enum Kind { kBallot = 1, kShflXor = 2 };
+
+// Waits until all 32 lanes have reached a collective; they must be the same one.
+void rendezvous(uint32_t mask, int kind, int param, uint64_t value) {
+  if (mask != 0xFFFFFFFFu) fail("warp collective with a partial mask");
+  const int me = current_lane;
+  arrival[me] = {kind, param, value};
+  swapcontext(&lane_ctx[me], &scheduler);
+}
+
 }  // namespace
 
 uint32_t __ballot_sync(uint32_t mask, bool predicate) {
-  if (mask != 0xFFFFFFFFu) fail("__ballot_sync with a partial mask");
-  const int me = current_lane;
-  if (predicate) votes |= 1u << me;
-  at_ballot[me] = true;
-  swapcontext(&lane_ctx[me], &scheduler);
-  return result;
+  rendezvous(mask, kBallot, 0, predicate ? 1 : 0);
+  uint32_t votes = 0;
+  for (int lane = 0; lane < kLanes; ++lane) votes |= uint32_t(brought[lane]) << lane;
+  return votes;
+}
+
+template <typename T>
+T __shfl_xor_sync(uint32_t mask, T value, int lane_mask) {
+  static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_integral_v<T>, "integers only");
+  if (lane_mask < 0 || lane_mask >= kLanes) fail("__shfl_xor_sync: lane mask out of range");
+  rendezvous(mask, kShflXor, lane_mask, uint64_t(value));
+  return T(brought[current_lane ^ lane_mask]);
 }
 
 namespace {
@@ -92,22 +127,26 @@ void run_warp(unsigned block, unsigned warp) {
   }
   blockIdx.x = block;
   for (;;) {
-    votes = 0;
     for (int lane = 0; lane < kLanes; ++lane) {
       if (finished[lane]) continue;
       current_lane = lane;
       threadIdx.x = warp * kLanes + lane;
-      at_ballot[lane] = false;
+      arrival[lane].kind = 0;
       swapcontext(&scheduler, &lane_ctx[lane]);
     }
     int done = 0, waiting = 0;
     for (int lane = 0; lane < kLanes; ++lane) {
       done += finished[lane];
-      waiting += !finished[lane] && at_ballot[lane];
+      waiting += !finished[lane] && arrival[lane].kind != 0;
     }
     if (done == kLanes) return;
-    if (waiting != kLanes) fail("diverged ballot: some lanes wait at __ballot_sync while others have finished");
-    result = votes;
+    if (waiting != kLanes) fail("diverged warp: some lanes wait at a collective while others have finished");
+    for (int lane = 0; lane < kLanes; ++lane) {
+      if (arrival[lane].kind != arrival[0].kind || arrival[lane].param != arrival[0].param) {
+        fail("diverged warp: lanes at different collectives");
+      }
+      brought[lane] = arrival[lane].value;
+    }
   }
 }
 
@@ -286,6 +325,159 @@ void check_format(const char* dtype) {
   }
 }
 
+// --- compaction -----------------------------------------------------------------
+
+enum MaskKind { kRandomMask, kAllOnes, kAllZeros, kSparse, kMaskKinds };
+const char* const kMaskNames[] = {"random mask", "all-ones mask", "all-zero mask", "sparse mask"};
+
+// ceil(n / 8) bytes, with garbage in the bits past n that the kernels must ignore.
+std::vector<uint8_t> make_mask(int64_t n, int kind) {
+  std::vector<uint8_t> m((n + 7) / 8);
+  for (auto& b : m) {
+    const uint64_t r = rng();
+    b = kind == kRandomMask ? uint8_t(r) : kind == kAllOnes ? 0xFF : kind == kSparse && r % 8 == 0 ? uint8_t(1u << (r >> 8) % 8) : 0;
+  }
+  if (n % 8 != 0) m.back() |= uint8_t(kind == kRandomMask ? rng() : 0xFF) & uint8_t(0xFF << (n % 8));
+  return m;
+}
+
+// count_kernel, compact_kernel and expand_kernel with the host's steps
+// between them (the inclusive sum of the counts), and nonzero_kernel, for
+// elements of U's width, against a scalar reference. V: the vector width the
+// host picks for data `offset` elements from a 16-byte boundary.
+template <typename U, U kInf, int V>
+void check_compaction(int64_t n, unsigned cap, int offset, int mask_kind, const char* name) {
+  using relu_ext::kTile;
+  const U poison = U(0xA5A5A5A5A5A5A5A5ull);
+  const std::vector<uint8_t> mask0 = make_mask(n, mask_kind);
+  std::vector<U> y0 = adversarial<U, kInf>(n);
+  auto keep = [&](int64_t i) { return (mask0[i / 8] >> (i % 8)) & 1; };
+  if (mask_kind == kRandomMask) {  // most dropped elements +0, as after a ReLU
+    for (int64_t i = 0; i < n; ++i) {
+      if (!keep(i) && rng() % 4 != 0) y0[i] = 0;
+    }
+  }
+  const int64_t tiles = (n + kTile - 1) / kTile, bytes = (n + 7) / 8;
+  std::vector<U> want_values;
+  std::vector<int64_t> want_counts(tiles, 0);
+  std::vector<uint8_t> want_nonzero(bytes, 0);
+  unsigned long long want_missed = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (keep(i)) {
+      want_values.push_back(y0[i]);
+      ++want_counts[i / kTile];
+    }
+    want_missed += !keep(i) && y0[i] != 0;
+    if (y0[i] != 0) want_nonzero[i / 8] |= uint8_t(1u << (i % 8));
+  }
+  const int64_t total = int64_t(want_values.size());
+  const int64_t lead = kGuard + offset;
+
+  // The mask at an odd address (the kernels read it by bytes), ending where its data ends.
+  Buffer<uint8_t> mask_buf(1 + bytes, 0);
+  const uint8_t* mask = mask_buf.data + 1;
+  std::copy(mask0.begin(), mask0.end(), mask_buf.data + 1);
+  Buffer<U> y_buf(lead + n, poison);
+  std::copy(y0.begin(), y0.end(), y_buf.data + lead);
+  const U* y = y_buf.data + lead;
+  const unsigned grid = grid_for(tiles * 32, cap);
+
+  // Counts per tile.
+  const int64_t count_poison = int64_t(0xA5A5A5A5A5A5A5A5ull);
+  Buffer<int64_t> counts(kGuard + tiles + kGuard, count_poison);
+  launch(relu_ext::count_kernel, grid, mask, n, counts.data + kGuard);
+  for (int64_t t = 0; t < tiles; ++t) expect(counts.data[kGuard + t] == want_counts[t], "tile count", name, n, t);
+  for (int64_t i = 0; i < kGuard; ++i) {
+    expect(counts.data[i] == count_poison, "count: write before the counts", name, n, i - kGuard);
+    expect(counts.data[kGuard + tiles + i] == count_poison, "count: write past the counts", name, n, tiles + i);
+  }
+  Buffer<int64_t> ends_buf(tiles, 0);  // what at::cumsum makes of them
+  for (int64_t t = 0; t < tiles; ++t) ends_buf.data[t] = counts.data[kGuard + t] + (t ? ends_buf.data[t - 1] : 0);
+  const int64_t* ends = ends_buf.data;
+  expect(ends[tiles - 1] == total, "kept total", name, n, tiles - 1);
+
+  {  // compact: values sized exactly by the total, missed a counter between guards
+    Buffer<U> values(kGuard + total + kGuard, poison);
+    unsigned long long missed[3] = {0xA5A5A5A5ull, 0, 0xA5A5A5A5ull};
+    launch(relu_ext::compact_kernel<U, V>, grid, y, mask, ends, n, values.data + kGuard, &missed[1]);
+    for (int64_t i = 0; i < total; ++i) expect(values.data[kGuard + i] == want_values[i], "compact value", name, n, i);
+    for (int64_t i = 0; i < kGuard; ++i) {
+      expect(values.data[i] == poison, "compact: write before the values", name, n, i - kGuard);
+      expect(values.data[kGuard + total + i] == poison, "compact: write past the values", name, n, total + i);
+    }
+    expect(missed[1] == want_missed, "compact: missed count", name, n, 0);
+    expect(missed[0] == 0xA5A5A5A5ull && missed[2] == 0xA5A5A5A5ull, "compact: write beside missed", name, n, 0);
+    for (int64_t i = 0; i < n; ++i) expect(y[i] == y0[i], "compact: input changed", name, n, i);
+  }
+  {  // expand: values exactly the kept elements (a read past them is reported by ASan)
+    Buffer<U> values(total, poison);
+    std::copy(want_values.begin(), want_values.end(), values.data);
+    Buffer<U> out(lead + n + kGuard, poison);
+    launch(relu_ext::expand_kernel<U, V>, grid, static_cast<const U*>(values.data), mask, ends, n, out.data + lead);
+    int64_t rank = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const U want = keep(i) ? want_values[rank++] : U(0);
+      expect(out.data[lead + i] == want, "expand value", name, n, i);
+    }
+    for (int64_t i = 0; i < lead; ++i) expect(out.data[i] == poison, "expand: write before the output", name, n, i - lead);
+    for (int64_t i = 0; i < kGuard; ++i) {
+      expect(out.data[lead + n + i] == poison, "expand: write past the output", name, n, n + i);
+    }
+  }
+  if (mask_kind == kRandomMask) {  // nonzero_mask needs no mask: once per size, every unroll
+    auto run = [&](auto kernel, unsigned g) {
+      Buffer<uint8_t> out(kGuard + bytes + kGuard, 0xA5);  // the mask at a 16-byte boundary, as from at::empty
+      launch(kernel, g, y, out.data + kGuard, n);
+      for (int64_t i = 0; i < bytes; ++i) expect(out.data[kGuard + i] == want_nonzero[i], "nonzero mask byte", name, n, i);
+      for (int64_t i = 0; i < kGuard; ++i) {
+        expect(out.data[i] == 0xA5, "nonzero: write before the mask", name, n, i - kGuard);
+        expect(out.data[kGuard + bytes + i] == 0xA5, "nonzero: write past the mask", name, n, bytes + i);
+      }
+    };
+    if constexpr (V == 1) {
+      run(relu_ext::nonzero_kernel<U, 1, 1>, grid_for(n, cap));
+    } else {
+      run(relu_ext::nonzero_kernel<U, V, 1>, grid_for((n + V - 1) / V, cap));
+      run(relu_ext::nonzero_kernel<U, V, 2>, grid_for((n + 2 * V - 1) / (2 * V), cap));
+      run(relu_ext::nonzero_kernel<U, V, 4>, grid_for((n + 4 * V - 1) / (4 * V), cap));
+    }
+  }
+}
+
+// Sizes around bytes, mask words, rows of 32 * V, groups of kRowsInFlight
+// rows, tiles, and past several grid-stride passes of a grid of `cap` blocks
+// (for the tiles and for nonzero_kernel's groups of 32 * V * 4).
+std::vector<int64_t> compaction_sizes(int v, unsigned cap) {
+  using relu_ext::kTile;
+  std::vector<int64_t> s = {1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65};
+  for (int64_t edge : {int64_t(32) * v, int64_t(32) * v * relu_ext::kRowsInFlight, kTile, 2 * kTile}) {
+    for (int64_t d : {-1, 0, 1}) s.push_back(edge + d);
+  }
+  s.push_back(3 * kTile + 77);
+  s.push_back((2 * int64_t(cap) * kWarps + 1) * kTile + 77);
+  return s;
+}
+
+template <typename U, U kInf>
+void check_compaction_width(const char* dtype) {
+  constexpr int V = 16 / sizeof(U);
+  char vec[64], scalar[64], name[128];
+  std::snprintf(vec, sizeof vec, "%s V=%d", dtype, V);
+  std::snprintf(scalar, sizeof scalar, "%s V=1 (unaligned)", dtype);
+  for (unsigned cap : {1u, 3u}) {
+    for (int kind = 0; kind < kMaskKinds; ++kind) {
+      for (int64_t n : compaction_sizes(V, cap)) {
+        std::snprintf(name, sizeof name, "compaction %s, %s", vec, kMaskNames[kind]);
+        check_compaction<U, kInf, V>(n, cap, 0, kind, name);
+      }
+      for (int64_t n : compaction_sizes(1, cap)) {
+        std::snprintf(name, sizeof name, "compaction %s, %s", scalar, kMaskNames[kind]);
+        check_compaction<U, kInf, 1>(n, cap, 1, kind, name);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -300,6 +492,9 @@ int main() {
       check_int<int64_t>(n, cap);
     }
   }
+  check_compaction_width<uint16_t, relu_ext::kInfF16>("2-byte");
+  check_compaction_width<uint32_t, relu_ext::kInfF32>("4-byte");
+  check_compaction_width<uint64_t, relu_ext::kInfF64>("8-byte");
   std::printf("emulation: all passed (%ld checks)\n", checks);
   return 0;
 }

@@ -17,7 +17,7 @@ not, the tensor gets a bitmap of its nonzero bits instead, which is exact for
 any data. Values are moved as integers of their width, so NaN payloads, -0.0
 and denormals come back unchanged. The work is done by the ops
 ``relu_ext::compact`` / ``expand`` / ``nonzero_mask`` (csrc/compact_cpu.cpp on
-the CPU; on CUDA composed of ATen ops for now).
+the CPU, csrc/relu_cuda_kernels.cuh on CUDA).
 """
 
 from __future__ import annotations
