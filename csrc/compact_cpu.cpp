@@ -8,13 +8,26 @@
 // each chunk's kept elements (popcounts of the mask alone), an exclusive sum
 // gives where each chunk's values start, and the chunks then run in parallel
 // on disjoint ranges of both arrays.
+//
+// The instruction set follows relu_cpu.cpp's run-time choice (cpu_isa()):
+// AVX2 moves a mask byte's (or nibble's) elements with one permute from a
+// table indexed by the mask bits (vpermd for 4- and 8-byte elements, pshufb
+// for 2-byte ones); the portable path does the rest of each chunk's work
+// where a vector would reach past its range (see the *_avx2 functions).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "relu.h"
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define RELU_X86 1
+#include <immintrin.h>
+#define RELU_AVX2 __attribute__((target("avx2,popcnt")))
+#endif
 
 namespace relu_ext {
 namespace {
@@ -129,6 +142,229 @@ void nonzero_chunk(const U* y, int64_t n, int64_t b0, int64_t b1, uint8_t* mask)
   }
 }
 
+#ifdef RELU_X86
+
+// Permute tables, by mask bits m: compress*[m] lists the lanes of the set
+// bits of m in order (what compact keeps, packed to the front); expand*[m]
+// gives lane j the rank of bit j among them (where expand finds element j),
+// or, in expand16, 0x80 when bit j is clear, which pshufb turns into a zero
+// byte (the others clear those lanes with a compare). Indices are bytes: in
+// *8 of 4-byte lanes, in *16 of bytes (two per 2-byte element), in *64 of
+// 4-byte lanes (two per 8-byte element, 4 mask bits).
+struct Tables {
+  alignas(8) uint8_t compress8[256][8];
+  alignas(16) uint8_t compress16[256][16];
+  alignas(8) uint8_t compress64[16][8];
+  alignas(16) uint8_t expand16[256][16];
+  alignas(8) uint8_t expand8[256][8];
+  alignas(8) uint8_t expand64[16][8];
+  Tables() {
+    std::memset(this, 0, sizeof(*this));
+    for (int m = 0; m < 256; ++m) {
+      int k = 0;
+      for (int j = 0; j < 8; ++j) {
+        expand16[m][2 * j] = expand16[m][2 * j + 1] = 0x80;
+        if (!((m >> j) & 1)) continue;
+        compress8[m][k] = uint8_t(j);
+        compress16[m][2 * k] = uint8_t(2 * j);
+        compress16[m][2 * k + 1] = uint8_t(2 * j + 1);
+        expand8[m][j] = uint8_t(k);
+        expand16[m][2 * j] = uint8_t(2 * k);
+        expand16[m][2 * j + 1] = uint8_t(2 * k + 1);
+        ++k;
+      }
+    }
+    for (int m = 0; m < 16; ++m) {
+      int k = 0;
+      for (int j = 0; j < 4; ++j) {
+        if (!((m >> j) & 1)) continue;
+        compress64[m][2 * k] = uint8_t(2 * j);
+        compress64[m][2 * k + 1] = uint8_t(2 * j + 1);
+        expand64[m][2 * j] = uint8_t(2 * k);
+        expand64[m][2 * j + 1] = uint8_t(2 * k + 1);
+        ++k;
+      }
+    }
+  }
+};
+const Tables kTables;
+
+// One step of S elements, covered by S mask bits: load, the bits of the
+// nonzero elements, compress (kept elements to the front) and expand (the
+// first elements to the set bits' places, zeros elsewhere).
+template <typename U>
+struct Step;
+
+template <>
+struct Step<uint16_t> {
+  static constexpr int S = 8;
+  using V = __m128i;
+  RELU_AVX2 static V load(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const V*>(p)); }
+  RELU_AVX2 static void store(uint16_t* p, V v) { _mm_storeu_si128(reinterpret_cast<V*>(p), v); }
+  RELU_AVX2 static unsigned nonzero(V v) {
+    const V zero = _mm_cmpeq_epi16(v, _mm_setzero_si128());
+    return ~unsigned(_mm_movemask_epi8(_mm_packs_epi16(zero, zero))) & 0xFFu;
+  }
+  RELU_AVX2 static V compress(V v, unsigned m) {
+    return _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const V*>(kTables.compress16[m])));
+  }
+  RELU_AVX2 static V expand(V v, unsigned m) {
+    return _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const V*>(kTables.expand16[m])));
+  }
+};
+
+// The 8 one-byte lane indices at `idx` as the 32-bit lane indices of vpermd.
+RELU_AVX2 inline __m256i lanes(const uint8_t* idx) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx)));
+}
+
+template <>
+struct Step<uint32_t> {
+  static constexpr int S = 8;
+  using V = __m256i;
+  RELU_AVX2 static V load(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const V*>(p)); }
+  RELU_AVX2 static void store(uint32_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); }
+  RELU_AVX2 static unsigned nonzero(V v) {
+    const V zero = _mm256_cmpeq_epi32(v, _mm256_setzero_si256());
+    return ~unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(zero))) & 0xFFu;
+  }
+  RELU_AVX2 static V compress(V v, unsigned m) { return _mm256_permutevar8x32_epi32(v, lanes(kTables.compress8[m])); }
+  RELU_AVX2 static V expand(V v, unsigned m) {
+    const V bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const V keep = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m)), bit), bit);
+    return _mm256_and_si256(_mm256_permutevar8x32_epi32(v, lanes(kTables.expand8[m])), keep);
+  }
+};
+
+template <>
+struct Step<uint64_t> {
+  static constexpr int S = 4;
+  using V = __m256i;
+  RELU_AVX2 static V load(const uint64_t* p) { return _mm256_loadu_si256(reinterpret_cast<const V*>(p)); }
+  RELU_AVX2 static void store(uint64_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); }
+  RELU_AVX2 static unsigned nonzero(V v) {
+    const V zero = _mm256_cmpeq_epi64(v, _mm256_setzero_si256());
+    return ~unsigned(_mm256_movemask_pd(_mm256_castsi256_pd(zero))) & 0xFu;
+  }
+  RELU_AVX2 static V compress(V v, unsigned m) { return _mm256_permutevar8x32_epi32(v, lanes(kTables.compress64[m])); }
+  RELU_AVX2 static V expand(V v, unsigned m) {
+    const V bit = _mm256_setr_epi64x(1, 2, 4, 8);
+    const V keep = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(m), bit), bit);
+    return _mm256_and_si256(_mm256_permutevar8x32_epi32(v, lanes(kTables.expand64[m])), keep);
+  }
+};
+
+// The whole mask bytes of [b0, b1) by steps, the tensor's partial last byte
+// by the portable code. A step stores S elements where it keeps k <= S, so
+// it may store straight into `out` only while S fit before the chunk's end
+// (`out_end`: the next chunk's values, written by another thread, start
+// there). The main loop takes two mask bytes (16 elements) at a time, as many
+// as certainly fit (each pair keeps at most 16), without a check per step;
+// the rest stores through a buffer where S do not fit.
+template <typename U>
+RELU_AVX2 int64_t compact_chunk_avx2(const U* y, const uint8_t* mask, int64_t n, int64_t b0, int64_t b1, U* out,
+                                     const U* out_end) {
+  using St = Step<U>;
+  constexpr int S = St::S;
+  int64_t missed = 0, b = b0;
+  const int64_t full = std::min(b1, n / 8);
+  for (int64_t pairs; (pairs = std::min((full - b) / 2, int64_t(out_end - out) / 16)) > 0;) {
+    for (const int64_t end = b + 2 * pairs; b < end; b += 2) {
+      const unsigned m = mask[b] | unsigned(mask[b + 1]) << 8;
+      typename St::V v[16 / S];
+      unsigned nonzero = 0;
+      for (int h = 0; h < 16 / S; ++h) {
+        v[h] = St::load(y + b * 8 + h * S);
+        nonzero |= St::nonzero(v[h]) << (h * S);
+      }
+      missed += _mm_popcnt_u32(nonzero & ~m & 0xFFFFu);
+      for (int h = 0; h < 16 / S; ++h) {
+        const unsigned part = (m >> (h * S)) & ((1u << S) - 1u);
+        St::store(out, St::compress(v[h], part));
+        out += _mm_popcnt_u32(part);
+      }
+    }
+  }
+  for (; b < full; ++b) {
+    for (int h = 0; h < 8; h += S) {
+      const unsigned m = (mask[b] >> h) & ((1u << S) - 1u);
+      const auto v = St::load(y + b * 8 + h);
+      missed += _mm_popcnt_u32(St::nonzero(v) & ~m);
+      const auto kept = St::compress(v, m);
+      const int k = _mm_popcnt_u32(m);
+      if (out_end - out >= S) {
+        St::store(out, kept);
+      } else if (k > 0) {
+        U buf[S];
+        St::store(buf, kept);
+        std::memcpy(out, buf, sizeof(U) * k);
+      }
+      out += k;
+    }
+  }
+  return missed + compact_chunk<U>(y, mask, n, std::max(b0, full), b1, out);
+}
+
+// A step loads S values where it needs k <= S: the main loop takes pairs of
+// mask bytes while 16 values are left to read, the rest loads from a copy of
+// what is left where S are not.
+template <typename U>
+RELU_AVX2 void expand_chunk_avx2(const U* values, int64_t total, const uint8_t* mask, int64_t n, int64_t b0,
+                                 int64_t b1, int64_t pos, U* out) {
+  using St = Step<U>;
+  constexpr int S = St::S;
+  const int64_t full = std::min(b1, n / 8);
+  int64_t b = b0;
+  for (int64_t pairs; (pairs = std::min((full - b) / 2, (total - pos) / 16)) > 0;) {
+    for (const int64_t end = b + 2 * pairs; b < end; b += 2) {
+      const unsigned m = mask[b] | unsigned(mask[b + 1]) << 8;
+      for (int h = 0; h < 16 / S; ++h) {
+        const unsigned part = (m >> (h * S)) & ((1u << S) - 1u);
+        St::store(out + b * 8 + h * S, St::expand(St::load(values + pos), part));
+        pos += _mm_popcnt_u32(part);
+      }
+    }
+  }
+  for (; b < full; ++b) {
+    for (int h = 0; h < 8; h += S) {
+      const unsigned m = (mask[b] >> h) & ((1u << S) - 1u);
+      typename St::V v;
+      if (total - pos >= S) {
+        v = St::load(values + pos);
+      } else {
+        U buf[S] = {};
+        if (total > pos) std::memcpy(buf, values + pos, sizeof(U) * (total - pos));
+        v = St::load(buf);
+      }
+      St::store(out + b * 8 + h, St::expand(v, m));
+      pos += _mm_popcnt_u32(m);
+    }
+  }
+  expand_chunk<U>(values, total, mask, n, std::max(b0, full), b1, pos, out);
+}
+
+template <typename U>
+RELU_AVX2 void nonzero_chunk_avx2(const U* y, int64_t n, int64_t b0, int64_t b1, uint8_t* mask) {
+  using St = Step<U>;
+  const int64_t full = std::min(b1, n / 8);
+  for (int64_t b = b0; b < full; ++b) {
+    unsigned m = 0;
+    for (int h = 0; h < 8; h += St::S) m |= St::nonzero(St::load(y + b * 8 + h)) << h;
+    mask[b] = static_cast<uint8_t>(m);
+  }
+  nonzero_chunk<U>(y, n, std::max(b0, full), b1, mask);
+}
+
+#endif  // RELU_X86
+
+bool use_avx2() {
+#ifdef RELU_X86
+  return std::string_view(cpu_isa()) == "avx2";
+#else
+  return false;
+#endif
+}
+
 // Calls fn(U{}) with the unsigned integer of `t`'s element width.
 template <typename Fn>
 void dispatch_width(const at::Tensor& t, Fn&& fn) {
@@ -147,11 +383,18 @@ at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed
   const std::vector<int64_t> start = chunk_starts(mask, n);
   at::Tensor values = at::empty({start.back()}, y.options());
   std::vector<int64_t> missed(start.size(), 0);
+  const bool avx2 = use_avx2();
   dispatch_width(y, [&](auto u) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(y.const_data_ptr());
     U* out = static_cast<U*>(values.data_ptr());
     for_each_chunk(n, [&](int64_t c, int64_t b0, int64_t b1) {
+#ifdef RELU_X86
+      if (avx2) {
+        missed[c] = compact_chunk_avx2<U>(in, mask, n, b0, b1, out + start[c], out + start[c + 1]);
+        return;
+      }
+#endif
       missed[c] = compact_chunk<U>(in, mask, n, b0, b1, out + start[c]);
     });
   });
@@ -165,11 +408,15 @@ void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor&
   const std::vector<int64_t> start = chunk_starts(mask, n);
   TORCH_CHECK(start.back() == total, "relu_ext::expand: the mask keeps ", start.back(), " elements but values has ",
               total);
+  const bool avx2 = use_avx2();
   dispatch_width(out, [&](auto u) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(values.const_data_ptr());
     U* dst = static_cast<U*>(out.data_ptr());
     for_each_chunk(n, [&](int64_t c, int64_t b0, int64_t b1) {
+#ifdef RELU_X86
+      if (avx2) return expand_chunk_avx2<U>(in, total, mask, n, b0, b1, start[c], dst);
+#endif
       expand_chunk<U>(in, total, mask, n, b0, b1, start[c], dst);
     });
   });
@@ -177,10 +424,16 @@ void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor&
 
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask) {
   const int64_t n = y.numel();
+  const bool avx2 = use_avx2();
   dispatch_width(y, [&](auto u) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(y.const_data_ptr());
-    for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) { nonzero_chunk<U>(in, n, b0, b1, mask); });
+    for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) {
+#ifdef RELU_X86
+      if (avx2) return nonzero_chunk_avx2<U>(in, n, b0, b1, mask);
+#endif
+      nonzero_chunk<U>(in, n, b0, b1, mask);
+    });
   });
 }
 

@@ -40,7 +40,10 @@ def _packbits(keep: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", OP_SIZES)
-def test_ops_against_a_reference(n, dtype, device):
+def test_ops_against_a_reference(n, dtype, device, cpu_isa):
+    """Every CPU kernel set (cpu_isa) and CUDA, on data with every special value,
+    and on masks from relu, of nonzero bits, random (with set bits past n),
+    all set and none set (nothing kept: empty values)."""
     x = adversarial(n, dtype, device, seed=n)
     y = torch.relu(x)
     bits = _bits(y)
@@ -49,7 +52,8 @@ def test_ops_against_a_reference(n, dtype, device):
     _, relu_mask = _ops.relu_fwd(x)
     g = torch.Generator().manual_seed(n)
     random_mask = torch.randint(0, 256, ((n + 7) // 8,), generator=g, dtype=torch.uint8).to(device)
-    for mask in (relu_mask, nonzero, random_mask):
+    full, empty = torch.full_like(random_mask, 255), torch.zeros_like(random_mask)
+    for mask in (relu_mask, nonzero, random_mask, full, empty):
         keep = _keep(mask, n)
         values, missed = _ops.compact(y, mask)
         assert values.dtype == dtype and values.shape == (int(keep.sum()),)
@@ -57,7 +61,8 @@ def test_ops_against_a_reference(n, dtype, device):
         assert missed.item() == int((bits[~keep] != 0).sum())
         restored = _ops.expand(values, mask, y.shape, y.stride())
         assert torch.equal(_bits(restored), torch.where(keep, bits, 0))
-    assert missed.item() > 0 or n < 64  # the random mask drops nonzero elements
+        if mask is empty:
+            assert missed.item() == int((bits != 0).sum()) and (missed.item() > 0 or n < 64)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -190,7 +195,22 @@ def test_compacted_once_when_saved_by_several_nodes(relu, monkeypatch):
         y = RELUS[relu](x * 1)
         z = conv(y) + conv(y)  # and twice more
     assert len(made) == 1 and isinstance(made[0], compact.Compacted)
-    z.sum().backward()
+    expands = []
+    real_ops = compact._ops
+
+    class CountingOps:
+        compact, nonzero_mask = real_ops.compact, real_ops.nonzero_mask
+
+        @staticmethod
+        def expand(*args: Any) -> torch.Tensor:
+            expands.append(args)
+            return real_ops.expand(*args)
+
+    monkeypatch.setattr(compact, "_ops", CountingOps)
+    grads = torch.autograd.grad(z.sum(), [x, conv.weight])
+    # Expanded once for all its nodes, and not kept once the last has unpacked it.
+    assert len(expands) == 1 and made[0].restored is None and made[0].pending == 0
+    assert_bitwise_equal(grads[1], torch.autograd.grad((conv(RELUS[relu](x * 1)) * 2).sum(), conv.weight)[0])
 
 
 def test_relu_ext_mask_is_reused(monkeypatch):

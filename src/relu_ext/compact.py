@@ -38,14 +38,25 @@ _ops = torch.ops.relu_ext
 class Compacted:
     """A saved tensor as its kept elements and a bitmap of where they are."""
 
-    __slots__ = ("values", "mask", "size", "stride")
+    __slots__ = ("values", "mask", "size", "stride", "pending", "restored")
 
     def __init__(self, values: Tensor, mask: Tensor, like: Tensor) -> None:
         self.values, self.mask, self.size, self.stride = values, mask, like.size(), like.stride()
+        self.pending = 0  # nodes that saved this and have not unpacked it yet
+        self.restored: Tensor | None = None
 
     def restore(self) -> Tensor:
-        """The saved tensor, bit for bit, in its own layout."""
-        return _ops.expand(self.values, self.mask, self.size, self.stride)
+        """The saved tensor, bit for bit, in its own layout.
+
+        Saved by several nodes (a ReLU and the conv after it), it is expanded
+        once: the first unpack keeps the result until the last of them has
+        unpacked it, as the graph would have held the tensor without hooks.
+        Unpacked again (retain_graph), it is expanded again each time.
+        """
+        t = self.restored if self.restored is not None else _ops.expand(self.values, self.mask, self.size, self.stride)
+        self.pending -= 1
+        self.restored = t if self.pending > 0 else None
+        return t
 
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
@@ -129,7 +140,10 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                 with torch.no_grad():
                     hit = (t._version, _compacted(t, min_saving))
                 cache[t] = hit
-            return hit[1] if hit[1] is not None else _Dense(t)
+            if hit[1] is None:
+                return _Dense(t)
+            hit[1].pending += 1
+            return hit[1]
 
         def unpack(packed: Any) -> Tensor:
             return packed.restore()

@@ -95,6 +95,11 @@ def _ratio(v: float | None) -> str:
     return f"{v:4.2f}" if v < 9.995 else f"{v:4.1f}" if v < 99.95 else f"{v:4.0f}"
 
 
+def _vs(c: dict[str, Any]) -> float | None:
+    """Time vs torch, or vs the copy where torch has no counterpart (compact, expand; older results: None)."""
+    return c["vs_torch"] if c["vs_torch"] is not None else c.get("vs_copy")
+
+
 def _pct(f: float) -> str:
     return f"{f:4.0%}" if f < 9.995 else f"{f:3.0f}x"
 
@@ -157,11 +162,12 @@ def format_tables(result: dict[str, Any]) -> str:
                   f"! the row's copy ran below {trust['copy_low']:.0%} of this run's best copy at that size (machine busy). "
                   f"Do not trust marked figures."]
     lines += _grid(result.get("kernels", []),
-                   "kernels: GB/s, % of copy, time vs torch (<1 faster); copy: GB/s of a copy_ of the same size",
+                   "kernels: GB/s, % of copy, time vs torch (<1 faster); copy: GB/s of a copy_ of the same size;\n"
+                   "compact, expand (no torch counterpart): time vs that copy instead of vs torch",
                    f"{'':4} {'case':11} {'copy':>5}  ",
                    lambda r: f"{size_label(r['numel']):>4} {r['case']:11} {_gbs(r['copy_gbs'])}"
                              f"{'!' if timing.COPY_LOW_MARK in r['marks'] else ' '} ",
-                   lambda i, c: (f"{_gbs(c['gbs'])} {_pct(c['of_copy'])}" + ("" if i == "torch" else f" {_ratio(c['vs_torch'])}")
+                   lambda i, c: (f"{_gbs(c['gbs'])} {_pct(c['of_copy'])}" + ("" if i == "torch" else f" {_ratio(_vs(c))}")
                                  + _mark(c["marks"])),
                    lambda i: 11 if i == "torch" else 16)
     lines += _grid(result.get("small", []), "small tensors, per call: microseconds, time vs torch (<1 faster)",

@@ -126,7 +126,7 @@ def make_row(meta: dict[str, Any], copy_s: list[float], results: dict[str, tuple
              max_spread: float = MAX_SPREAD) -> dict[str, Any]:
     """One table row: for each implementation (rounds, bytes it moves) its
     time, GB/s, fraction of the copy's GB/s and time vs torch, both paired by
-    round. meta needs copy_bytes."""
+    round, and its time vs the copy's (vs_copy). meta needs copy_bytes."""
     copy = summarize(copy_s, max_spread)
     row = dict(meta, copy=copy, copy_gbs=meta["copy_bytes"] / copy["median_s"] / 1e9, marks=[], results={})
     torch_s = results["torch"][0] if "torch" in results else None
@@ -134,7 +134,8 @@ def make_row(meta: dict[str, Any], copy_s: list[float], results: dict[str, tuple
         s = summarize(samples, max_spread)
         of_copy = nbytes / meta["copy_bytes"] * paired(copy_s, samples)
         row["results"][impl] = dict(s, bytes=nbytes, gbs=nbytes / s["median_s"] / 1e9, of_copy=of_copy,
-                                    vs_torch=paired(samples, torch_s) if torch_s else None)
+                                    vs_torch=paired(samples, torch_s) if torch_s else None,
+                                    vs_copy=paired(samples, copy_s))
     return row
 
 
