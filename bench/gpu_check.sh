@@ -65,6 +65,10 @@ SANITIZER_TESTS=(
   "tests/test_cuda.py::test_side_stream[torch.float32]"
   "tests/test_cuda.py::test_cuda_graph_replay_ops[torch.float16]"
   "tests/test_cuda.py::test_cuda_graph_replay_autograd[out_of_place-torch.float32]"
+  "tests/test_compact.py::test_ops_against_a_reference[scalar-300001-torch.float32-cuda]"
+  "tests/test_compact.py::test_ops_against_a_reference[scalar-32769-torch.bfloat16-cuda]"
+  "tests/test_compact.py::test_ops_keep_layouts[cuda]"
+  "tests/test_compact.py::test_restored_bit_for_bit[relu_ext-torch.float64-cuda]"
 )
 STEP_NAMES=(build test sanitize bench unroll)
 QUICK_BENCH_ARGS=(--sizes 65536,1048576,16777216,268435456 --what kernels,small --budget 0.2)

@@ -148,7 +148,7 @@ void nonzero_chunk(const U* y, int64_t n, int64_t b0, int64_t b1, uint8_t* mask)
 // bits of m in order (what compact keeps, packed to the front); expand*[m]
 // gives lane j the rank of bit j among them (where expand finds element j),
 // or, in expand16, 0x80 when bit j is clear, which pshufb turns into a zero
-// byte (the others clear those lanes with a compare). Indices are bytes: in
+// byte (the others clear those lanes with keep*[m]). Indices are bytes: in
 // *8 of 4-byte lanes, in *16 of bytes (two per 2-byte element), in *64 of
 // 4-byte lanes (two per 8-byte element, 4 mask bits).
 struct Tables {
@@ -158,6 +158,8 @@ struct Tables {
   alignas(16) uint8_t expand16[256][16];
   alignas(8) uint8_t expand8[256][8];
   alignas(8) uint8_t expand64[16][8];
+  alignas(32) uint32_t keep32[256][8];  // lane j all ones where bit j of m is set
+  alignas(32) uint64_t keep64[16][4];
   Tables() {
     std::memset(this, 0, sizeof(*this));
     for (int m = 0; m < 256; ++m) {
@@ -165,6 +167,7 @@ struct Tables {
       for (int j = 0; j < 8; ++j) {
         expand16[m][2 * j] = expand16[m][2 * j + 1] = 0x80;
         if (!((m >> j) & 1)) continue;
+        keep32[m][j] = ~0u;
         compress8[m][k] = uint8_t(j);
         compress16[m][2 * k] = uint8_t(2 * j);
         compress16[m][2 * k + 1] = uint8_t(2 * j + 1);
@@ -178,6 +181,7 @@ struct Tables {
       int k = 0;
       for (int j = 0; j < 4; ++j) {
         if (!((m >> j) & 1)) continue;
+        keep64[m][j] = ~0ull;
         compress64[m][2 * k] = uint8_t(2 * j);
         compress64[m][2 * k + 1] = uint8_t(2 * j + 1);
         expand64[m][2 * j] = uint8_t(2 * k);
@@ -230,8 +234,7 @@ struct Step<uint32_t> {
   }
   RELU_AVX2 static V compress(V v, unsigned m) { return _mm256_permutevar8x32_epi32(v, lanes(kTables.compress8[m])); }
   RELU_AVX2 static V expand(V v, unsigned m) {
-    const V bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const V keep = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m)), bit), bit);
+    const V keep = _mm256_load_si256(reinterpret_cast<const V*>(kTables.keep32[m]));
     return _mm256_and_si256(_mm256_permutevar8x32_epi32(v, lanes(kTables.expand8[m])), keep);
   }
 };
@@ -248,8 +251,7 @@ struct Step<uint64_t> {
   }
   RELU_AVX2 static V compress(V v, unsigned m) { return _mm256_permutevar8x32_epi32(v, lanes(kTables.compress64[m])); }
   RELU_AVX2 static V expand(V v, unsigned m) {
-    const V bit = _mm256_setr_epi64x(1, 2, 4, 8);
-    const V keep = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(m), bit), bit);
+    const V keep = _mm256_load_si256(reinterpret_cast<const V*>(kTables.keep64[m]));
     return _mm256_and_si256(_mm256_permutevar8x32_epi32(v, lanes(kTables.expand64[m])), keep);
   }
 };
