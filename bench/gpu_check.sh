@@ -67,7 +67,7 @@ SANITIZER_TESTS=(
   "tests/test_cuda.py::test_cuda_graph_replay_autograd[out_of_place-torch.float32]"
   "tests/test_compact.py::test_ops_against_a_reference[scalar-300001-torch.float32-cuda]"
   "tests/test_compact.py::test_ops_against_a_reference[scalar-32769-torch.bfloat16-cuda]"
-  "tests/test_compact.py::test_ops_keep_layouts[cuda]"
+  "tests/test_compact.py::test_ops_keep_layouts[scalar-cuda]"
   "tests/test_compact.py::test_restored_bit_for_bit[relu_ext-torch.float64-cuda]"
 )
 STEP_NAMES=(build test sanitize bench unroll)

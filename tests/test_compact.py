@@ -66,10 +66,14 @@ def test_ops_against_a_reference(n, dtype, device, cpu_isa):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ops_keep_layouts(device):
+def test_ops_keep_layouts(device, cpu_isa):
     for y in (torch.relu(torch.randn(4, 16, 12, 12, device=device)).contiguous(memory_format=torch.channels_last),
               torch.relu(torch.randn(64, 48, device=device)).t(),
-              torch.relu(torch.randn(3, 5000, device=device))[1]):  # a storage offset
+              torch.relu(torch.randn(3, 5000, device=device))[1],  # a storage offset
+              # unaligned for every vector width (16- and 32-byte loads and stores)
+              torch.relu(torch.randn(70001, device=device))[1:],
+              torch.relu(torch.randn(70001, device=device, dtype=torch.bfloat16))[3:],
+              torch.relu(torch.randn(70001, device=device, dtype=torch.float64))[1:]):
         mask = _ops.nonzero_mask(y)
         values, missed = _ops.compact(y, mask)
         restored = _ops.expand(values, mask, y.shape, y.stride())
