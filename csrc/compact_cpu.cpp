@@ -367,17 +367,6 @@ bool use_avx2() {
 #endif
 }
 
-// Calls fn(U{}) with the unsigned integer of `t`'s element width.
-template <typename Fn>
-void dispatch_width(const at::Tensor& t, Fn&& fn) {
-  switch (t.element_size()) {
-    case 2: fn(uint16_t{}); break;
-    case 4: fn(uint32_t{}); break;
-    case 8: fn(uint64_t{}); break;
-    default: TORCH_CHECK(false, "relu_ext: no compaction for elements of ", t.element_size(), " bytes");
-  }
-}
-
 }  // namespace
 
 at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed_total) {

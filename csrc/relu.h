@@ -70,6 +70,18 @@ void dispatch_bits(at::ScalarType dtype, Fn&& fn) {
   }
 }
 
+// Calls fn(U{}) with the unsigned integer of `t`'s element width (the
+// compaction kernels move elements as such integers).
+template <typename Fn>
+void dispatch_width(const at::Tensor& t, Fn&& fn) {
+  switch (t.element_size()) {
+    case 2: fn(uint16_t{}); break;
+    case 4: fn(uint32_t{}); break;
+    case 8: fn(uint64_t{}); break;
+    default: TORCH_CHECK(false, "relu_ext: no compaction for elements of ", t.element_size(), " bytes");
+  }
+}
+
 // Kernels on dense tensors, walked in memory order. `x` may alias `y` (in-place);
 // `mask` may be null (inference: no mask is written). forward_int_* is the
 // integer forward (int8/16/32/64, uint8): y = x < 0 ? 0 : x, as torch.relu;

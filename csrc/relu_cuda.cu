@@ -134,17 +134,6 @@ void backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor
 
 namespace {
 
-// Calls fn(U{}) with the unsigned integer of `t`'s element width.
-template <typename Fn>
-void dispatch_width(const at::Tensor& t, Fn&& fn) {
-  switch (t.element_size()) {
-    case 2: fn(uint16_t{}); break;
-    case 4: fn(uint32_t{}); break;
-    case 8: fn(uint64_t{}); break;
-    default: TORCH_CHECK(false, "relu_ext: no compaction for elements of ", t.element_size(), " bytes");
-  }
-}
-
 // The inclusive sum of the kept elements of each tile of the mask (n > 0);
 // compact and expand read where each tile's values start from it.
 at::Tensor tile_ends(const uint8_t* mask, int64_t n, const at::Tensor& like, cudaStream_t stream) {
