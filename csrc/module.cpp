@@ -66,9 +66,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace relu_ext;
   m.doc() = "relu_ext native kernels; the ops live under torch.ops.relu_ext";
   m.attr("with_cuda") = kWithCuda;
-  m.def("cpu_isa", &cpu_isa, "CPU kernel set in use: 'avx2' or 'scalar'.");
+  m.def("cpu_isa", &cpu_isa, "CPU kernel set in use: 'avx512', 'avx2' or 'scalar'.");
   m.def("set_cpu_isa", &set_cpu_isa, pybind11::arg("name"),
-        "Choose the CPU kernel set: 'auto' (best this CPU has), 'avx2' or 'scalar'.");
+        "Choose the CPU kernel set: 'auto' (best this CPU has), 'avx512', 'avx2' or 'scalar'.");
   // Declared in every build (the type stub lists them); without CUDA kernels they say so.
   m.def(
       "cuda_unroll",

@@ -1,9 +1,8 @@
 // CPU kernels. One template per integer width serves all float formats (see
-// relu.h). The instruction set is chosen at run time (AVX2 or portable C++),
-// so one binary runs on any x86-64 CPU; no -march flag is needed or wanted.
-// There is no AVX-512 path: no machine this project builds and tests on has
-// AVX-512, so it could not be verified, and AVX2 already streams at memory
-// bandwidth (bench/).
+// relu.h). The instruction set is chosen at run time (AVX-512, AVX2 or
+// portable C++), so one binary runs on any x86-64 CPU; no -march flag is
+// needed or wanted. AVX-512 is taken only with BW and VBMI2 (the 16-bit lanes
+// and compress / expand of compact_cpu.cpp), as on Zen 4 and Ice Lake on.
 #include "relu.h"
 
 #include <ATen/Dispatch.h>
@@ -18,6 +17,7 @@
 #define RELU_X86 1
 #include <immintrin.h>
 #define RELU_AVX2 __attribute__((target("avx2")))
+#define RELU_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
 #endif
 
 namespace relu_ext {
@@ -199,15 +199,130 @@ RELU_AVX2 void bwd_avx2(const U* g, const uint8_t* mask, U* out, int64_t begin, 
   bwd_scalar(g, mask, out, i0, end);
 }
 
+// AVX-512: compares yield mask registers, which are the mask bits as they
+// are stored, and a zero-masked move is the select.
+template <typename U>
+struct Avx512;
+
+template <>
+struct Avx512<uint16_t> {
+  static constexpr int kLanes = 32;
+  RELU_AVX512 static __m512i set1(uint16_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
+  RELU_AVX512 static uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi16_mask(a, b); }
+  RELU_AVX512 static uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi16_mask(a, b); }
+  RELU_AVX512 static __m512i select(uint64_t k, __m512i v) { return _mm512_maskz_mov_epi16(__mmask32(k), v); }
+};
+
+template <>
+struct Avx512<uint32_t> {
+  static constexpr int kLanes = 16;
+  RELU_AVX512 static __m512i set1(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+  RELU_AVX512 static uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  RELU_AVX512 static uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  RELU_AVX512 static __m512i select(uint64_t k, __m512i v) { return _mm512_maskz_mov_epi32(__mmask16(k), v); }
+};
+
+template <>
+struct Avx512<uint64_t> {
+  static constexpr int kLanes = 8;
+  RELU_AVX512 static __m512i set1(uint64_t v) { return _mm512_set1_epi64(static_cast<long long>(v)); }
+  RELU_AVX512 static uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi64_mask(a, b); }
+  RELU_AVX512 static uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi64_mask(a, b); }
+  RELU_AVX512 static __m512i select(uint64_t k, __m512i v) { return _mm512_maskz_mov_epi64(__mmask8(k), v); }
+};
+
+template <typename U, U kInf, bool kMask>
+RELU_AVX512 void fwd_avx512(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
+  using T = Avx512<U>;
+  constexpr int L = T::kLanes;
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i abs = T::set1(Bits<U>::kAbs);
+  const __m512i inf = T::set1(kInf);
+  const __m512i sign = T::set1(Bits<U>::kSign);
+  int64_t i0 = begin;
+  for (; i0 + kBlock <= end; i0 += kBlock) {
+    uint64_t word = 0;
+    for (int v = 0; v < kBlock / L; ++v) {
+      const __m512i b = _mm512_loadu_si512(x + i0 + v * L);
+      const uint64_t keep = T::gt(b, zero) | T::gt(_mm512_and_si512(b, abs), inf);
+      _mm512_storeu_si512(y + i0 + v * L, T::select(keep | T::eq(b, sign), b));
+      if constexpr (kMask) word |= keep << (v * L);
+    }
+    if constexpr (kMask) std::memcpy(mask + i0 / 8, &word, 8);
+  }
+  fwd_scalar<U, kInf>(x, y, kMask ? mask : nullptr, i0, end);
+}
+
+// float32 / float64 through float compares, as fwd_avx2_float (and for the
+// same reason: half the instructions of the bit tests): `!(x < 0)` (ordered)
+// selects what the output keeps, `!(x <= 0)` (unordered) is the mask.
+template <typename U>
+struct Avx512Float;
+
+template <>
+struct Avx512Float<uint32_t> {
+  static constexpr int kLanes = 16;
+  RELU_AVX512 static __m512 load(const uint32_t* p) { return _mm512_loadu_ps(p); }
+  RELU_AVX512 static uint64_t nlt0(__m512 v) { return _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLT_UQ); }
+  RELU_AVX512 static uint64_t keep(__m512 v) { return _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ); }
+  RELU_AVX512 static void store(uint32_t* p, uint64_t k, __m512 v) { _mm512_storeu_ps(p, _mm512_maskz_mov_ps(__mmask16(k), v)); }
+};
+
+template <>
+struct Avx512Float<uint64_t> {
+  static constexpr int kLanes = 8;
+  RELU_AVX512 static __m512d load(const uint64_t* p) { return _mm512_loadu_pd(p); }
+  RELU_AVX512 static uint64_t nlt0(__m512d v) { return _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_NLT_UQ); }
+  RELU_AVX512 static uint64_t keep(__m512d v) { return _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_NLE_UQ); }
+  RELU_AVX512 static void store(uint64_t* p, uint64_t k, __m512d v) { _mm512_storeu_pd(p, _mm512_maskz_mov_pd(__mmask8(k), v)); }
+};
+
+template <typename U, U kInf, bool kMask>
+RELU_AVX512 void fwd_avx512_float(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
+  if (_mm_getcsr() & kMxcsrDaz) return fwd_avx512<U, kInf, kMask>(x, y, mask, begin, end);
+  using T = Avx512Float<U>;
+  constexpr int L = T::kLanes;
+  int64_t i0 = begin;
+  for (; i0 + kBlock <= end; i0 += kBlock) {
+    uint64_t word = 0;
+    for (int v = 0; v < kBlock / L; ++v) {
+      const auto b = T::load(x + i0 + v * L);
+      T::store(y + i0 + v * L, T::nlt0(b), b);
+      if constexpr (kMask) word |= T::keep(b) << (v * L);
+    }
+    if constexpr (kMask) std::memcpy(mask + i0 / 8, &word, 8);
+  }
+  fwd_scalar<U, kInf>(x, y, kMask ? mask : nullptr, i0, end);
+}
+
+template <typename U>
+RELU_AVX512 void bwd_avx512(const U* g, const uint8_t* mask, U* out, int64_t begin, int64_t end) {
+  using T = Avx512<U>;
+  constexpr int L = T::kLanes;
+  int64_t i0 = begin;
+  for (; i0 + kBlock <= end; i0 += kBlock) {
+    uint64_t word;
+    std::memcpy(&word, mask + i0 / 8, 8);
+    for (int v = 0; v < kBlock / L; ++v) {
+      _mm512_storeu_si512(out + i0 + v * L, T::select(word >> (v * L), _mm512_loadu_si512(g + i0 + v * L)));
+    }
+  }
+  bwd_scalar(g, mask, out, i0, end);
+}
+
 #endif  // RELU_X86
 
-enum Isa : int { kScalar = 0, kAvx2 = 1 };
-const char* const kIsaNames[] = {"scalar", "avx2"};
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* const kIsaNames[] = {"scalar", "avx2", "avx512"};
 
 int best_isa() {
 #ifdef RELU_X86
-  // libgcc / compiler-rt also check that the OS saves the YMM registers.
+  // libgcc / compiler-rt also check that the OS saves the YMM / ZMM registers.
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2")) {
+    return kAvx512;
+  }
   if (__builtin_cpu_supports("avx2")) return kAvx2;
 #endif
   return kScalar;
@@ -215,14 +330,14 @@ int best_isa() {
 
 int parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
-  for (int i = 0; i <= kAvx2; ++i) {
+  for (int i = 0; i <= kAvx512; ++i) {
     if (name == kIsaNames[i]) {
       TORCH_CHECK(i <= best_isa(), "relu_ext: this CPU does not support the '", name,
                   "' kernels; the best it supports is '", kIsaNames[best_isa()], "'");
       return i;
     }
   }
-  TORCH_CHECK(false, "relu_ext: unknown CPU kernel set '", name, "'; choose auto, scalar or avx2");
+  TORCH_CHECK(false, "relu_ext: unknown CPU kernel set '", name, "'; choose auto, scalar, avx2 or avx512");
 }
 
 // RELU_EXT_CPU_ISA may lower the choice (for testing or comparison); an invalid
@@ -243,6 +358,13 @@ using BwdFn = void (*)(const U*, const uint8_t*, U*, int64_t, int64_t);
 template <typename U, U kInf>
 FwdFn<U, kInf> pick_fwd(bool with_mask) {
 #ifdef RELU_X86
+  if (isa_choice().load() == kAvx512) {
+    if constexpr (sizeof(U) >= 4) {
+      return with_mask ? &fwd_avx512_float<U, kInf, true> : &fwd_avx512_float<U, kInf, false>;
+    } else {
+      return with_mask ? &fwd_avx512<U, kInf, true> : &fwd_avx512<U, kInf, false>;
+    }
+  }
   if (isa_choice().load() == kAvx2) {
     if constexpr (sizeof(U) >= 4) {
       return with_mask ? &fwd_avx2_float<U, kInf, true> : &fwd_avx2_float<U, kInf, false>;
@@ -257,6 +379,7 @@ FwdFn<U, kInf> pick_fwd(bool with_mask) {
 template <typename U>
 BwdFn<U> pick_bwd() {
 #ifdef RELU_X86
+  if (isa_choice().load() == kAvx512) return &bwd_avx512<U>;
   if (isa_choice().load() == kAvx2) return &bwd_avx2<U>;
 #endif
   return &bwd_scalar<U>;

@@ -25,7 +25,8 @@ def _supported_isas() -> list[str]:
     _C.set_cpu_isa("auto")
     best = _C.cpu_isa()
     _C.set_cpu_isa(previous)
-    return ["scalar", "avx2"] if best == "avx2" else ["scalar"]
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(best) + 1]
 
 
 CPU_ISAS = _supported_isas()

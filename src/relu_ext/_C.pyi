@@ -11,10 +11,10 @@ with_cuda: bool
 """True when the CUDA kernels were compiled into this build."""
 
 def cpu_isa() -> str:
-    """CPU kernel set in use: 'avx2' or 'scalar'."""
+    """CPU kernel set in use: 'avx512', 'avx2' or 'scalar'."""
 
 def set_cpu_isa(name: str) -> None:
-    """Choose the CPU kernel set: 'auto' (best this CPU has), 'avx2' or 'scalar'."""
+    """Choose the CPU kernel set: 'auto' (best this CPU has), 'avx512', 'avx2' or 'scalar'."""
 
 def cuda_unroll() -> int:
     """Rows per warp and loop iteration of the CUDA vector kernels (1, 2 or 4).

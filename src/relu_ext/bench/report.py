@@ -151,9 +151,10 @@ def format_tables(result: dict[str, Any]) -> str:
     """The tables the terminal shows; every line fits WIDTH columns."""
     env = result["environment"]
     load = env["load_start"]
-    lines = [f"relu_ext benchmark: {env.get('gpu') or env['cpu']} ({env['device']})",
+    lines = [f"relu_ext benchmark: {env.get('gpu') or env['cpu']} ({env['device']}), "
+             f"malloc {env.get('malloc', 'as is').split(':')[0]}",
              f"torch {env['torch']}, {env['threads']} threads, CPU kernels {env['relu_ext']['cpu_isa']}, {env['date']}, "
-             f"load {_load(load)} on {load['cpus']} CPUs, malloc {env.get('malloc', 'as is').split(':')[0]}"]
+             f"load {_load(load)} on {load['cpus']} CPUs"]
     trust = result.get("trust")
     if trust:
         cfg = result["config"]
