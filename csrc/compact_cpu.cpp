@@ -430,13 +430,14 @@ struct Vec512<uint64_t> {
 // The first `count` (0..64) lanes.
 inline uint64_t first_lanes(int64_t count) { return count >= 64 ? ~0ull : (1ull << count) - 1; }
 
+// The unsigned integer of S bits.
+template <int S>
+using StepBits = std::conditional_t<S == 32, uint32_t, std::conditional_t<S == 16, uint16_t, uint8_t>>;
+
 // Mask bits [i, i + S) (i a multiple of 8) as the lanes of a step, reading
 // only the bytes of elements before `end`. A full step loads them as one
 // integer of S bits: a byte-wise copy into a wider one would cost a store
 // forwarding stall per step.
-template <int S>
-using StepBits = std::conditional_t<S == 32, uint32_t, std::conditional_t<S == 16, uint16_t, uint8_t>>;
-
 template <int S>
 inline uint64_t step_bits(const uint8_t* mask, int64_t i, int64_t end) {
   if (end - i >= S) {
