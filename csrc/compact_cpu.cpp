@@ -9,7 +9,7 @@
 // gives where each chunk's values start, and the chunks then run in parallel
 // on disjoint ranges of both arrays.
 //
-// The instruction set follows relu_cpu.cpp's run-time choice (cpu_isa()):
+// The instruction set follows relu_cpu.cpp's run-time choice (cpu_kernels()):
 // AVX-512 has the moves themselves (vpcompress / vpexpand, masked loads and
 // stores that touch only the lanes they name, so no step needs a range check);
 // AVX2 moves a mask byte's (or nibble's) elements with one permute from a
@@ -20,7 +20,6 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
-#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -71,18 +70,6 @@ int64_t popcount(const uint8_t* mask, int64_t b0, int64_t b1, int64_t n, bool fa
   if (fast) return popcount_x86(mask, b0, b1, n);
 #endif
   return popcount_of(mask, b0, b1, n);
-}
-
-// The kernel set of relu_cpu.cpp's choice.
-enum class Kernels { kPortable, kAvx2, kAvx512 };
-
-Kernels kernels() {
-#ifdef RELU_X86
-  const std::string_view isa = cpu_isa();
-  if (isa == "avx512") return Kernels::kAvx512;
-  if (isa == "avx2") return Kernels::kAvx2;
-#endif
-  return Kernels::kPortable;
 }
 
 int64_t chunks_of(int64_t n) { return ((n + 7) / 8 + kChunkBytes - 1) / kChunkBytes; }
@@ -511,13 +498,12 @@ RELU_AVX512 void nonzero_chunk_avx512(const U* y, int64_t n, int64_t b0, int64_t
 
 #endif  // RELU_X86
 
-
 }  // namespace
 
 at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed_total) {
   const int64_t n = y.numel();
-  const Kernels set = kernels();
-  const std::vector<int64_t> start = chunk_starts(mask, n, set != Kernels::kPortable);
+  const Isa set = cpu_kernels();
+  const std::vector<int64_t> start = chunk_starts(mask, n, set != kScalar);
   at::Tensor values = at::empty({start.back()}, y.options());
   std::vector<int64_t> missed(start.size(), 0);
   dispatch_width(y, [&](auto u) {
@@ -526,11 +512,11 @@ at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed
     U* out = static_cast<U*>(values.data_ptr());
     for_each_chunk(n, [&](int64_t c, int64_t b0, int64_t b1) {
 #ifdef RELU_X86
-      if (set == Kernels::kAvx512) {
+      if (set == kAvx512) {
         missed[c] = compact_chunk_avx512<U>(in, mask, n, b0, b1, out + start[c]);
         return;
       }
-      if (set == Kernels::kAvx2) {
+      if (set == kAvx2) {
         missed[c] = compact_chunk_avx2<U>(in, mask, n, b0, b1, out + start[c], out + start[c + 1]);
         return;
       }
@@ -545,8 +531,8 @@ at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed
 
 void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out) {
   const int64_t n = out.numel(), total = values.numel();
-  const Kernels set = kernels();
-  const std::vector<int64_t> start = chunk_starts(mask, n, set != Kernels::kPortable);
+  const Isa set = cpu_kernels();
+  const std::vector<int64_t> start = chunk_starts(mask, n, set != kScalar);
   TORCH_CHECK(start.back() == total, "relu_ext::expand: the mask keeps ", start.back(), " elements but values has ",
               total);
   dispatch_width(out, [&](auto u) {
@@ -555,8 +541,8 @@ void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor&
     U* dst = static_cast<U*>(out.data_ptr());
     for_each_chunk(n, [&](int64_t c, int64_t b0, int64_t b1) {
 #ifdef RELU_X86
-      if (set == Kernels::kAvx512) return expand_chunk_avx512<U>(in, mask, n, b0, b1, start[c], dst);
-      if (set == Kernels::kAvx2) return expand_chunk_avx2<U>(in, total, mask, n, b0, b1, start[c], dst);
+      if (set == kAvx512) return expand_chunk_avx512<U>(in, mask, n, b0, b1, start[c], dst);
+      if (set == kAvx2) return expand_chunk_avx2<U>(in, total, mask, n, b0, b1, start[c], dst);
 #endif
       expand_chunk<U>(in, total, mask, n, b0, b1, start[c], dst);
     });
@@ -565,14 +551,14 @@ void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor&
 
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask) {
   const int64_t n = y.numel();
-  const Kernels set = kernels();
+  const Isa set = cpu_kernels();
   dispatch_width(y, [&](auto u) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(y.const_data_ptr());
     for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) {
 #ifdef RELU_X86
-      if (set == Kernels::kAvx512) return nonzero_chunk_avx512<U>(in, n, b0, b1, mask);
-      if (set == Kernels::kAvx2) return nonzero_chunk_avx2<U>(in, n, b0, b1, mask);
+      if (set == kAvx512) return nonzero_chunk_avx512<U>(in, n, b0, b1, mask);
+      if (set == kAvx2) return nonzero_chunk_avx2<U>(in, n, b0, b1, mask);
 #endif
       nonzero_chunk<U>(in, n, b0, b1, mask);
     });

@@ -89,7 +89,11 @@ void dispatch_width(const at::Tensor& t, Fn&& fn) {
 void forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask);
 void forward_int_cpu(const at::Tensor& x, const at::Tensor& y);
 void backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in);
-const char* cpu_isa();
+// CPU kernel sets, each needing more of the CPU than the one before; the set
+// in use is chosen at run time (relu_cpu.cpp) and serves every CPU kernel.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+Isa cpu_kernels();
+const char* cpu_isa();  // the name of cpu_kernels()
 void set_cpu_isa(const std::string& name);
 
 // Compaction by a bitmap (compact_cpu.cpp), on dense tensors in memory order,

@@ -312,7 +312,6 @@ RELU_AVX512 void bwd_avx512(const U* g, const uint8_t* mask, U* out, int64_t beg
 
 #endif  // RELU_X86
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 const char* const kIsaNames[] = {"scalar", "avx2", "avx512"};
 
 int best_isa() {
@@ -358,14 +357,14 @@ using BwdFn = void (*)(const U*, const uint8_t*, U*, int64_t, int64_t);
 template <typename U, U kInf>
 FwdFn<U, kInf> pick_fwd(bool with_mask) {
 #ifdef RELU_X86
-  if (isa_choice().load() == kAvx512) {
+  if (cpu_kernels() == kAvx512) {
     if constexpr (sizeof(U) >= 4) {
       return with_mask ? &fwd_avx512_float<U, kInf, true> : &fwd_avx512_float<U, kInf, false>;
     } else {
       return with_mask ? &fwd_avx512<U, kInf, true> : &fwd_avx512<U, kInf, false>;
     }
   }
-  if (isa_choice().load() == kAvx2) {
+  if (cpu_kernels() == kAvx2) {
     if constexpr (sizeof(U) >= 4) {
       return with_mask ? &fwd_avx2_float<U, kInf, true> : &fwd_avx2_float<U, kInf, false>;
     } else {
@@ -379,8 +378,8 @@ FwdFn<U, kInf> pick_fwd(bool with_mask) {
 template <typename U>
 BwdFn<U> pick_bwd() {
 #ifdef RELU_X86
-  if (isa_choice().load() == kAvx512) return &bwd_avx512<U>;
-  if (isa_choice().load() == kAvx2) return &bwd_avx2<U>;
+  if (cpu_kernels() == kAvx512) return &bwd_avx512<U>;
+  if (cpu_kernels() == kAvx2) return &bwd_avx2<U>;
 #endif
   return &bwd_scalar<U>;
 }
@@ -426,7 +425,9 @@ void backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor&
   });
 }
 
-const char* cpu_isa() { return kIsaNames[isa_choice().load()]; }
+Isa cpu_kernels() { return static_cast<Isa>(isa_choice().load()); }
+
+const char* cpu_isa() { return kIsaNames[cpu_kernels()]; }
 
 void set_cpu_isa(const std::string& name) { isa_choice().store(parse_isa(name)); }
 

@@ -70,7 +70,7 @@ def test_ops_keep_layouts(device, cpu_isa):
     for y in (torch.relu(torch.randn(4, 16, 12, 12, device=device)).contiguous(memory_format=torch.channels_last),
               torch.relu(torch.randn(64, 48, device=device)).t(),
               torch.relu(torch.randn(3, 5000, device=device))[1],  # a storage offset
-              # unaligned for every vector width (16- and 32-byte loads and stores)
+              # unaligned for every vector width (16-, 32- and 64-byte loads and stores)
               torch.relu(torch.randn(70001, device=device))[1:],
               torch.relu(torch.randn(70001, device=device, dtype=torch.bfloat16))[3:],
               torch.relu(torch.randn(70001, device=device, dtype=torch.float64))[1:]):
