@@ -43,6 +43,9 @@
 #   call 2, ~4-6 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,sanitize --deadline 570
 #   call 3, ~7-9 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,bench,unroll --deadline 570
 #                      (add --quick if call 3 times out: ~4-5 min)
+#   call 4, if time is left: the real models compiled (torch.compile, nn.ReLU vs relu_ext's modules):
+#                      BENCH_ARGS="--what compiled --models resnet18,resnet50,vgg11 --dtypes float32" \
+#                      bash bench/gpu_check.sh --out "$OUT" --steps build,bench --deadline 570
 # On a machine without a time limit, `bash bench/gpu_check.sh` runs all five steps (~15-20 min) into
 # bench/results/gpu-<device-slug>-<date>/.
 set -euo pipefail

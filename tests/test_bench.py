@@ -256,7 +256,8 @@ def test_configuration_defaults_quick_and_overrides():
 
 @pytest.mark.parametrize("argv", [["--impls", "torch,nope"], ["--what", "kernels,speed"], ["--rounds", "0"],
                                   ["--dtypes", "int32"], ["--dtypes", "float33"], ["--device", "mps"],
-                                  ["--malloc", "jemalloc"], ["--cuda-unroll", "3"], ["--cuda-unroll", "2"]])
+                                  ["--malloc", "jemalloc"], ["--cuda-unroll", "3"], ["--cuda-unroll", "2"],
+                                  ["--models", "resnet18,alexnet"]])
 def test_bad_arguments_are_named(argv, capsys):
     with pytest.raises(SystemExit):
         cli.configure(["--device", "cpu"] + argv)
@@ -266,7 +267,7 @@ def test_bad_arguments_are_named(argv, capsys):
 def test_help_lists_the_flags():
     text = cli.parser().format_help()
     for flag in ("--rounds", "--budget", "--max-spread", "--quick", "--out", "--no-files", "--what", "--impls",
-                 "--cuda-unroll"):
+                 "--cuda-unroll", "--models", "--compile-backend"):
         assert flag in text
     assert "interleaved" in text and "marked" in text
 
@@ -420,3 +421,39 @@ def test_held_bytes_count_what_the_graph_saves():
     direct = models.saved_bytes(lambda: real.loss_of(model, x), list(model.parameters()) + [x])
     assert real.held_bytes(model, x, "nn.ReLU") == direct
     assert real.held_bytes(model, x, "nn.ReLU+compact") < 0.9 * direct
+
+
+def test_compiled_section(monkeypatch):
+    """torch.compile of the model with nn.ReLU and with relu_ext's modules: both rows, their
+    ratios from their own rounds, and the progress count (aot_eager: seconds, not minutes)."""
+    steps = []
+    monkeypatch.setattr(timing.Progress, "step", lambda self, label: steps.append(label))
+    argv = TINY + ["--what", "compiled", "--quick", "--models", "resnet18", "--dtypes", "float32",
+                   "--compile-backend", "aot_eager", "--rounds", "2"]
+    _, config = cli.configure(argv)
+    assert config["models"] == ["resnet18"] and cli.configure(TINY)[1]["what"] == cli.DEFAULT_SECTIONS
+    res = cli.main(argv)
+    assert len(steps) == cli._steps(config)
+    (row,) = res["compiled"]["models"]
+    assert (row["model"], row["dtype"], list(row["results"])) == ("resnet18", "float32", real.COMPILED_CONFIGS)
+    base = row["results"]["compile nn.ReLU"]
+    for m in row["results"].values():
+        assert m["held_bytes"] > 0 and math.isclose(m["held_vs_torch"], m["held_bytes"] / base["held_bytes"])
+        assert math.isclose(m["vs_torch"], statistics.median(a / b for a, b in zip(m["rounds_s"], base["rounds_s"])))
+    assert "real models under torch.compile (aot_eager): value and vs compile nn.ReLU" in report.format_tables(res)
+
+
+def test_compiled_configurations_run_what_they_say():
+    """compile relu_ext: a copy with relu_ext's modules (the model itself keeps nn.ReLU), the
+    same loss bit for bit as compile nn.ReLU; eager configurations run the model itself."""
+    import relu_ext
+
+    model, x = real.build("resnet18", torch.float32, "cpu", quick=True)
+    assert real.prepare(model, "install+compact") is model
+    plain, ext = (real.prepare(model, c, "aot_eager") for c in real.COMPILED_CONFIGS)
+    kinds = {c: {type(m) for m in mod._orig_mod.modules()} for c, mod in (("plain", plain), ("ext", ext))}
+    assert torch.nn.ReLU in kinds["plain"] and relu_ext.ReLU not in kinds["plain"]
+    assert relu_ext.ReLU in kinds["ext"] and torch.nn.ReLU not in kinds["ext"]
+    assert plain._orig_mod is model
+    with torch.no_grad():
+        assert_bitwise_equal(real.loss_of(ext, x), real.loss_of(plain, x))

@@ -1,7 +1,8 @@
 """relu_ext benchmark: every peer timed in the same run, interleaved, against a copy's bandwidth.
 
     python -m relu_ext.bench [--device cpu|cuda] [--dtypes float32,bfloat16]
-                             [--sizes 65536,...] [--what kernels,small,memory,models]
+                             [--sizes 65536,...] [--what kernels,small,memory,models,compiled]
+                             [--models resnet18,...] [--compile-backend inductor]
                              [--impls torch,torch_out,compile,triton,seed,relu_ext,installed]
                              [--rounds N] [--budget S] [--max-spread F] [--quick]
                              [--malloc steady|as-is] [--cuda-unroll 1|2|4]
@@ -24,10 +25,15 @@ Sections (--what):
            bytes their autograd graph holds after forward (counted exactly
            from what the saved-tensor hooks keep), the peak of one training
            step (one fresh process per configuration) and its time
-           (interleaved rounds), each vs nn.ReLU.
+           (interleaved rounds), each vs nn.ReLU. --models picks some.
   models   time of one training step (forward, loss, backward, SGD) of three
            small models (MLP, MLP with dropout, CNN with max-pool) with each
            activation.
+  compiled (on request: not among the default sections, as compiling takes
+           minutes) the memory section's real models under torch.compile
+           (--compile-backend, default inductor), as they are and with
+           relu_ext.convert()'s modules (an op the compiler does not fuse):
+           held bytes, peak and step time, vs compiled nn.ReLU.
 
 Implementations (--impls): torch (torch.relu / nn.ReLU), torch_out (torch.clamp
 with out=, forward only), compile (torch.compile of F.relu), triton (a Triton

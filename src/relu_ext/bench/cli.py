@@ -15,7 +15,8 @@ import relu_ext
 from . import __doc__ as DOC
 from . import models, peers, real, report, timing
 
-SECTIONS = ["kernels", "small", "memory", "models"]
+SECTIONS = ["kernels", "small", "memory", "models", "compiled"]
+DEFAULT_SECTIONS = ["kernels", "small", "memory", "models"]  # compiled: on request (minutes of compiling)
 SMALL_SIZES = [2**k for k in range(10, 17)]
 DEFAULT_SIZES = {"cpu": [4**k for k in range(8, 14)], "cuda": [4**k for k in range(8, 15)]}
 # On CPU the seed and compile peers run 2-25x slower than torch (a call of
@@ -36,7 +37,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", help="comma-separated element counts for the kernel section "
                                    "(default: 64K-64M on CPU, 64K-256M on CUDA; --quick: three sizes). "
                                    "On CPU, seed and compile are timed up to 16M elements")
-    p.add_argument("--what", default=",".join(SECTIONS), help=f"sections, from {SECTIONS}")
+    p.add_argument("--what", default=",".join(DEFAULT_SECTIONS), help=f"sections, from {SECTIONS} (default: all "
+                                                                       "but compiled)")
+    p.add_argument("--models", help=f"real models of the memory and compiled sections, from {real.MODELS} (default: "
+                                    f"all; --quick: {','.join(real.QUICK_MODELS)})")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled section (default inductor)")
     p.add_argument("--impls", default=",".join(peers.IMPLS), help="implementations (triton: CUDA only)")
     p.add_argument("--rounds", type=int, help=f"interleaved rounds per row (default {DEFAULTS['rounds']}, "
                                               f"--quick {QUICK['rounds']})")
@@ -84,6 +90,9 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
         if args.device != "cuda":
             p.error(f"--cuda-unroll {args.cuda_unroll}: applies to --device cuda only")
         relu_ext._C.set_cuda_unroll(args.cuda_unroll)
+    names = args.models.split(",") if args.models else (real.QUICK_MODELS if args.quick else real.MODELS)
+    if set(names) - set(real.MODELS):
+        p.error(f"--models: {sorted(set(names) - set(real.MODELS))} not among {real.MODELS}")
     for d in args.dtypes.split(","):
         if d not in ("float32", "float64", "float16", "bfloat16"):
             p.error(f"--dtypes: {d!r} is not one of float32, float64, float16, bfloat16")
@@ -100,6 +109,8 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
         "sizes": [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes,
         "small_sizes": QUICK_SMALL_SIZES if args.quick else SMALL_SIZES,
         "what": what,
+        "models": names,
+        "compile_backend": args.compile_backend,
         "impls": [i for i in args.impls.split(",") if i in peers.available_impls(args.device)],
         "rounds": rounds,
         "budget_s": args.budget or base["budget"],
@@ -151,11 +162,12 @@ def _steps(config: dict[str, Any]) -> int:
                 for n in config["sizes"]]
     per_small = 1 + sum(len(v) for v in peers.small_cases(zeros, impls).values())
     model_impls = [i for i in models.MODEL_IMPLS if i in impls]
-    what = config["what"]
-    return config["rounds"] * (("kernels" in what) * len(config["dtypes"]) * sum(per_size)
-                               + ("small" in what) * len(config["small_sizes"]) * per_small
-                               + ("models" in what) * len(models.MODELS) * len(model_impls)) \
-        + ("memory" in what) * (len(config["dtypes"]) + real.steps(len(config["dtypes"]), config["rounds"], config["quick"]))
+    what, dtypes, names, rounds = config["what"], len(config["dtypes"]), len(config["models"]), config["rounds"]
+    return rounds * (("kernels" in what) * dtypes * sum(per_size)
+                     + ("small" in what) * len(config["small_sizes"]) * per_small
+                     + ("models" in what) * len(models.MODELS) * len(model_impls)) \
+        + ("memory" in what) * (dtypes + real.steps(dtypes, names, len(real.CONFIGS), rounds)) \
+        + ("compiled" in what) * real.steps(dtypes, names, len(real.COMPILED_CONFIGS), rounds)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -182,14 +194,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["small"] = run_rows("small", device, dtypes[:1], config["small_sizes"], impls, rounds,
                                    config["small_budget_s"], config["max_spread"], progress)
     if "memory" in what:
-        result["memory"] = models.run_memory(device, dtypes, impls, config["quick"], rounds, config["budget_s"],
-                                             config["max_spread"], progress)
+        result["memory"] = models.run_memory(device, dtypes, impls, config["models"], config["quick"], rounds,
+                                             config["budget_s"], config["max_spread"], progress)
     if "models" in what:
         result["models"] = models.run_models(device, impls, rounds, config["budget_s"], config["quick"], progress,
                                              config["max_spread"])
+    if "compiled" in what:
+        result["compiled"] = {"models": real.run(device, dtypes, config["models"], config["quick"], rounds,
+                                                 config["budget_s"], config["max_spread"], progress,
+                                                 real.COMPILED_CONFIGS, config["compile_backend"])}
     rows = result.get("kernels", []) + result.get("small", [])
     timing.mark_copy_low(rows, config["copy_low"])
-    timed_models = result.get("models", []) + result.get("memory", {}).get("models", [])
+    timed_models = result.get("models", []) + result.get("memory", {}).get("models", []) \
+        + result.get("compiled", {}).get("models", [])
     result["trust"] = dict(timing.trust_summary(rows, timed_models), max_spread=config["max_spread"],
                            copy_low=config["copy_low"])
     env["load_end"] = timing.load_average()  # includes this run's own threads

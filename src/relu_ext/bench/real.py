@@ -4,12 +4,18 @@ training step, and its time.
 
 Configurations: ``nn.ReLU`` (PyTorch as it is), ``install`` (relu_ext.install(): every ReLU
 is relu_ext's), ``install+compact`` (and relu_ext.save_compact() around the forward),
-``nn.ReLU+compact`` (save_compact() alone, on PyTorch's own ReLU).
+``nn.ReLU+compact`` (save_compact() alone, on PyTorch's own ReLU). Compiled (the ``compiled``
+section): ``compile nn.ReLU`` (torch.compile of the model as it is) and ``compile relu_ext``
+(of a copy whose nn.ReLU modules relu_ext.convert() swapped; the compiler keeps relu_ext's op
+as it is, so it fuses nothing into it). install() and save_compact() change nothing in a
+compiled graph (it calls no eager ReLU kernel, and saves no ReLU output of eager autograd),
+so they have no compiled configuration.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import json
 import subprocess
@@ -26,6 +32,7 @@ from . import models, peers, timing
 MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "t5_relu"]
 QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
 CONFIGS = ["nn.ReLU", "install", "install+compact", "nn.ReLU+compact"]
+COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
 # Images per batch at 112x112 (64x64 with --quick): what this 2-core machine steps through in about a second.
 BATCH = {"resnet18": 16, "resnet50": 8, "vgg11": 8, "googlenet": 16, "densenet121": 8, "t5_relu": 8}
 
@@ -112,6 +119,16 @@ def held_bytes(model: nn.Module, inputs: Any, config: str) -> int:
     return sum(seen.values())
 
 
+def prepare(model: nn.Module, config: str, backend: str = "inductor") -> nn.Module:
+    """What a configuration runs: the model itself, or torch.compile of it (``compile
+    relu_ext``: of a copy, same weights, with relu_ext.convert()'s modules)."""
+    if not config.startswith("compile "):
+        return model
+    if config == "compile relu_ext":
+        model = relu_ext.convert(copy.deepcopy(model))
+    return torch.compile(model, backend=backend)
+
+
 def step_fn(model: nn.Module, inputs: Any, config: str) -> Callable[[], Tensor]:
     """One training step (forward under the configuration, backward, SGD), for the timer."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -138,55 +155,60 @@ def peak_worker(spec: dict[str, Any]) -> dict[str, Any]:
     for name in spec["models"]:
         for dtype in spec["dtypes"]:
             model, inputs = build(name, getattr(torch, dtype), device, quick)
+            model = prepare(model, config, spec["backend"])
             step = step_fn(model, inputs, config)
             with step.context():
-                step()  # gradients exist from here on
+                step()  # gradients exist from here on (and a compiled model is compiled)
                 out[f"{name}/{dtype}"] = models.peak_of(step, device)
             del model, inputs, step
+            torch._dynamo.reset()  # compiled code of this model: not kept for the next
     return out
 
 
-def run(device: str, dtypes: list[torch.dtype], quick: bool, rounds: int, budget_s: float, max_spread: float,
-        progress: timing.Progress) -> list[dict[str, Any]]:
+def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, rounds: int, budget_s: float,
+        max_spread: float, progress: timing.Progress, configs: list[str] = CONFIGS,
+        backend: str = "inductor") -> list[dict[str, Any]]:
     """One row per model and dtype: held bytes, peak and step time of each configuration,
-    and each vs nn.ReLU's. Step times run interleaved in rounds; peaks come from one fresh
-    process per configuration."""
-    names = QUICK_MODELS if quick else MODELS
+    and each vs the first configuration's (nn.ReLU, or compile nn.ReLU). Step times run
+    interleaved in rounds; peaks come from one fresh process per configuration."""
     peaks = {}
-    for config in CONFIGS:
+    for config in configs:
         progress.step(f"memory peak {config}")
-        spec = {"device": device, "config": config, "quick": quick, "models": names,
+        spec = {"device": device, "config": config, "quick": quick, "models": names, "backend": backend,
                 "dtypes": [peers.dtype_name(d) for d in dtypes]}
         out = subprocess.run([sys.executable, "-m", "relu_ext.bench", "--peak-worker", json.dumps(spec)],
                              capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"memory peak worker for {config} failed:\n{out.stderr[-3000:]}")
         peaks[config] = json.loads(out.stdout.strip().splitlines()[-1])
+    base = configs[0]
     rows = []
     for name in names:
         for dtype in dtypes:
             model, inputs = build(name, dtype, device, quick)
             key = f"{name}/{peers.dtype_name(dtype)}"
+            run_as = {config: prepare(model, config, backend) for config in configs}
             held = {}
-            for config in CONFIGS:
+            for config in configs:
                 progress.step(f"memory held {key} {config}")
-                held[config] = held_bytes(model, inputs, config)
-            steps = {config: step_fn(model, inputs, config) for config in CONFIGS}
+                held[config] = held_bytes(run_as[config], inputs, config)
+            steps = {config: step_fn(run_as[config], inputs, config) for config in configs}
             samples = timing.interleave(steps, device, rounds, budget_s, lambda c: progress.step(f"memory time {key} {c}"))
             results = {}
-            for config in CONFIGS:
+            for config in configs:
                 r = timing.summarize(samples[config], max_spread)
-                r.update(held_bytes=held[config], held_vs_torch=held[config] / held["nn.ReLU"],
-                         vs_torch=timing.paired(samples[config], samples["nn.ReLU"]), **peaks[config][key])
-                base = peaks["nn.ReLU"][key]["peak_bytes"]
-                r["peak_vs_torch"] = r["peak_bytes"] / base if base and r["peak_bytes"] is not None else None
+                r.update(held_bytes=held[config], held_vs_torch=held[config] / held[base],
+                         vs_torch=timing.paired(samples[config], samples[base]), **peaks[config][key])
+                first = peaks[base][key]["peak_bytes"]
+                r["peak_vs_torch"] = r["peak_bytes"] / first if first and r["peak_bytes"] is not None else None
                 results[config] = r
             rows.append({"model": name, "dtype": peers.dtype_name(dtype), "input": describe(name, inputs),
                          "results": results})
-            del model, inputs, steps
+            del model, inputs, run_as, steps
+            torch._dynamo.reset()
     return rows
 
 
-def steps(dtypes: int, rounds: int, quick: bool) -> int:
+def steps(dtypes: int, models: int, configs: int, rounds: int) -> int:
     """Progress steps of run()."""
-    return len(CONFIGS) + len(QUICK_MODELS if quick else MODELS) * dtypes * len(CONFIGS) * (1 + rounds)
+    return configs + models * dtypes * configs * (1 + rounds)

@@ -120,14 +120,14 @@ def _grid(rows: list[dict[str, Any]], title: str, lead_head: str, lead: Callable
     return lines
 
 
-def memory_lines(rows: list[dict[str, Any]]) -> list[str]:
+def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training mode") -> list[str]:
     """The real models' table: per model and dtype, for each configuration, MiB held by the
     graph after forward, peak MiB of a training step and its time, each with its ratio to
-    nn.ReLU's (<1: less)."""
+    the first configuration's (nn.ReLU, or compile nn.ReLU; <1: less)."""
     if not rows:
         return []
     configs = list(rows[0]["results"])
-    lines = ["", "real models, training mode: value and vs nn.ReLU (<1 less) for each configuration",
+    lines = ["", f"{title}: value and vs {configs[0]} (<1 less) for each configuration",
              f"{'model':12} {'dtype':8} {'input':10} {'':5}" + "".join(f"{c:>17}" for c in configs)]
     metrics = [("held", lambda m: m["held_bytes"] / 2**20, "held_vs_torch", "MiB"),
                ("peak", lambda m: None if m["peak_bytes"] is None else m["peak_bytes"] / 2**20, "peak_vs_torch", "MiB"),
@@ -182,6 +182,10 @@ def format_tables(result: dict[str, Any]) -> str:
         for r in memory["saved_per_element"]:
             lines.append(f"  {r['dtype']:9} " + "  ".join(f"{k} {v:.3f}" for k, v in r["bytes_per_element"].items()))
         lines += memory_lines(memory["models"])
+    compiled = result.get("compiled")
+    if compiled:
+        lines += memory_lines(compiled["models"], f"real models under torch.compile "
+                                                  f"({result['config'].get('compile_backend', 'inductor')})")
     models = result.get("models", [])
     if models:
         lines += ["", "training step time (forward, loss, backward, SGD), ms, time vs torch"]
