@@ -8,9 +8,6 @@ is exactly its nonzero elements plus a bitmap of where they are: inside
 every tensor saved for backward that is a ReLU output (``relu_ext``'s
 ``ReluExtBackward0`` or PyTorch's ``ReluBackward0``) is kept that way, once
 however many nodes save it, and restored bit for bit when backward needs it.
-A compiled graph (``torch.compile``) saves tensors that no autograd node
-made, so which are ReLU outputs cannot be told: those are compacted when a
-sample of their elements has enough zeros.
 
 Exactness: the bitmap of a relu_ext output is its mask (no second bitmap);
 a dropped element must then be +0.0 bit for bit, which is checked while
@@ -33,7 +30,6 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 _RELU_NODES = frozenset({"ReluBackward0", "ReluExtBackward0"})
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
-_SAMPLE = 1024  # elements looked at to guess whether a tensor no node made is worth compacting
 
 
 _ops = torch.ops.relu_ext
@@ -96,7 +92,7 @@ def _compacted(t: Tensor, min_saving: float) -> Compacted | None:
     """`t` compacted, or None when that would save less than `min_saving` of its bytes."""
     y = t.detach()
     values, mask, shared = None, None, False
-    if t.grad_fn is not None and t.grad_fn.name() == "ReluExtBackward0":
+    if t.grad_fn.name() == "ReluExtBackward0":
         mask = t.grad_fn._saved_mask  # relu_ext's own mask: no second bitmap
         values, missed = _ops.compact(y, mask)
         shared = not bool(missed)  # else -0.0, or changed after the ReLU: not exact with this mask
@@ -126,13 +122,6 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     values it had when saved (compacted) or PyTorch's in-place error (saved as
     it is), never the changed data. Tensors that are no ReLU output, views,
     tensor subclasses and tensors under 4096 elements are saved as usual.
-
-    Under ``torch.compile`` the compiled graph saves tensors that no autograd
-    node made (as does an ``autograd.Function`` that saves an intermediate):
-    such a tensor, when it does not require grad, is compacted if at least
-    ``min_saving`` of 1024 elements sampled across it are zero (a guess that
-    only decides whether to try: the bitmap is then of its nonzero bits,
-    exact for any data).
     """
 
     def __init__(self, min_saving: float = 0.1) -> None:
@@ -144,14 +133,12 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         cache: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
         def pack(t: Tensor) -> Any:
-            relu = _is_relu_output(t)
-            if not (relu or _made_by_no_node(t)):
+            if not _is_relu_output(t):
                 return _Dense(t)
             hit = cache.get(t)
             if hit is None or hit[0] != t._version:
                 with torch.no_grad():
-                    worth = relu or _looks_sparse(t, min_saving)
-                    hit = (t._version, _compacted(t, min_saving) if worth else None)
+                    hit = (t._version, _compacted(t, min_saving))
                 cache[t] = hit
             if hit[1] is None:
                 return _Dense(t)
@@ -167,34 +154,16 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
 def _is_relu_output(t: Tensor) -> bool:
     """Whether `t` is a plain dense floating-point ReLU output worth compacting."""
     fn = t.grad_fn
-    return fn is not None and fn.name() in _RELU_NODES and _compactable(t)
-
-
-def _made_by_no_node(t: Tensor) -> bool:
-    """Whether `t` is an intermediate that no autograd node made (what a compiled graph
-    saves): no grad_fn and no grad required (parameters and other leaves that require
-    grad are not), plain, dense and floating-point."""
-    return t.grad_fn is None and not t.requires_grad and _compactable(t)
-
-
-def _compactable(t: Tensor) -> bool:
     return (
-        type(t) is torch.Tensor
+        fn is not None
+        and type(t) is torch.Tensor
+        and fn.name() in _RELU_NODES
         and t.is_floating_point()
         and t.layout == torch.strided
         and t.device.type in ("cpu", "cuda")
         and t.numel() >= _MIN_NUMEL
         and _is_dense(t)
     )
-
-
-def _looks_sparse(t: Tensor, min_saving: float) -> bool:
-    """Whether, of _SAMPLE elements taken at even steps through `t`'s memory, enough are
-    zero (+0.0 or -0.0) to save `min_saving` of its bytes once its bitmap is paid for."""
-    step = t.numel() // _SAMPLE  # dense: its elements fill [storage_offset, storage_offset + numel)
-    sample = t.detach().as_strided((_SAMPLE,), (step,), t.storage_offset())
-    zeros = _SAMPLE - int(torch.count_nonzero(sample))
-    return zeros >= (min_saving + 1 / (8 * t.element_size())) * _SAMPLE
 
 
 def _is_dense(t: Tensor) -> bool:
