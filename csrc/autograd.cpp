@@ -21,26 +21,6 @@ using ag::variable_list;
 
 namespace {
 
-// torch 2.14 holds nodes in c10::intrusive_ptr, torch 2.11 in std::shared_ptr.
-using NodePtr = decltype(ag::Edge::function);
-
-template <typename T>
-NodePtr new_node() {
-  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
-    return c10::make_intrusive<T>();
-  } else {
-    // deleteNode frees long chains of nodes without deep recursion (found by ADL).
-    return std::shared_ptr<T>(new T(), [](T* node) { deleteNode(node); });
-  }
-}
-
-// `grad` laid out as the mask expects. A copy_ also broadcasts, so a node
-// called by hand with a scalar gradient works as ReluBackward0 does.
-at::Tensor to_mask_layout(const at::Tensor& grad, c10::SymIntArrayRef sizes, c10::SymIntArrayRef strides) {
-  if (grad.sym_sizes() == sizes && grad.sym_strides() == strides) return grad;
-  return grad.new_empty_strided_symint(sizes, strides).copy_(grad);
-}
-
 // keep ? grad : +0, through the dispatcher above autograd: differentiable
 // again in grad, which is what double backward and forward-over-reverse need.
 at::Tensor masked(const at::Tensor& grad, const at::Tensor& mask, c10::SymIntArrayRef sizes,

@@ -1,11 +1,14 @@
-// relu_ext.install(): relu_ext's kernels for PyTorch's own aten::relu and
-// aten::relu_, registered with the dispatcher at run time, and removed again
-// by destroying the registrations (uninstall).
+// relu_ext.install(): relu_ext's kernels for PyTorch's own aten::relu /
+// relu_ and the family's aten ops (hardtanh / hardtanh_, leaky_relu /
+// leaky_relu_, threshold / threshold_, hardsigmoid / hardsigmoid_),
+// registered with the dispatcher at run time, per op, and removed again by
+// destroying the registrations (uninstall).
 //
-// Every way of calling a ReLU ends in these two ops (F.relu, torch.relu,
-// Tensor.relu, nn.ReLU, TorchScript graphs, C++ callers, references to F.relu
-// taken before install), so this reaches all of them without touching any
-// Python function or any other op. Two keys per device:
+// Every way of calling these activations ends in these ops (F.relu,
+// torch.relu, Tensor.relu, nn.ReLU, F.relu6 and nn.ReLU6 through hardtanh,
+// TorchScript graphs, C++ callers, references to F.relu taken before
+// install), so this reaches all of them without touching any Python function
+// or any other op. Two keys per device:
 //   - AutogradCPU / AutogradCUDA: relu_ext's autograd kernel (mask-saving
 //     ReluExtBackward0 node, forward AD); what PyTorch computes below autograd
 //     is not reached from here.
@@ -15,9 +18,12 @@
 // looked up when installing, so it gets exactly what torch.relu gives it.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/library.h>
 
+#include <map>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <vector>
 
@@ -31,11 +37,17 @@ namespace {
 // __torch_dispatch__ subclasses (FakeTensor and FunctionalTensor while
 // torch.compile and torch.export trace, DTensor, jagged nested tensors, ...):
 // they expect aten ops, so they keep PyTorch's kernel, and traced graphs stay
-// the ones nn.ReLU gives. Zero tensors (forward AD's) keep PyTorch's handling too.
-bool takes(const at::Tensor& x) {
-  return has_kernel_for(x) && is_relu_dtype(x.scalar_type()) && !x.key_set().has(c10::DispatchKey::Python) &&
-         !x._is_zerotensor();
+// the ones PyTorch's modules give. Zero tensors (forward AD's) keep PyTorch's
+// handling too. The family takes float tensors only (its integer forward is
+// PyTorch's own).
+bool ordinary(const at::Tensor& x) {
+  return has_kernel_for(x) && !x.key_set().has(c10::DispatchKey::Python) && !x._is_zerotensor();
 }
+bool takes(const at::Tensor& x) { return ordinary(x) && is_relu_dtype(x.scalar_type()); }
+bool takes_float(const at::Tensor& x) { return ordinary(x) && is_float(x.scalar_type()); }
+
+template <size_t>
+using ScalarArg = const c10::Scalar&;
 
 // The kernel PyTorch has for an op and dispatch key (the generated autograd
 // kernel, or the native CPU / CUDA one), kept while ours replaces it.
@@ -43,19 +55,21 @@ struct Original {
   c10::OperatorHandle op;
   c10::SafeKernelFunction kernel;
 
-  Original(const char* name, c10::DispatchKey key)
-      : op(c10::Dispatcher::singleton().findSchemaOrThrow(name, "")),
+  Original(const std::string& name, c10::DispatchKey key)
+      : op(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")),
         kernel(op.getComputedKernelForDispatchKey(key)) {}
 
   // Boxed: the only call torch 2.11's SafeKernelFunction offers (it checks
   // that the kernel still exists). Only tensors relu_ext hands on take it.
-  at::Tensor relu(c10::DispatchKeySet ks, const at::Tensor& x) const {
-    torch::jit::Stack stack{x};
+  template <typename... S>
+  at::Tensor call(c10::DispatchKeySet ks, const at::Tensor& x, const S&... s) const {
+    torch::jit::Stack stack{x, s...};
     kernel.callBoxed(op, ks, &stack);
     return std::move(stack.back()).toTensor();
   }
-  at::Tensor& relu_(c10::DispatchKeySet ks, at::Tensor& x) const {
-    torch::jit::Stack stack{x};
+  template <typename... S>
+  at::Tensor& call_(c10::DispatchKeySet ks, at::Tensor& x, const S&... s) const {
+    torch::jit::Stack stack{x, s...};
     kernel.callBoxed(op, ks, &stack);  // returns x itself (Tensor(a!))
     return x;
   }
@@ -67,51 +81,118 @@ struct Silent : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 
-// Our kernels at `key`: `autograd` picks relu_ext's autograd kernels, else its
-// forward kernels.
-std::unique_ptr<torch::Library> take_over(c10::DispatchKey key, bool autograd) {
+using Libraries = std::vector<std::unique_ptr<torch::Library>>;
+
+std::unique_ptr<torch::Library> library(c10::DispatchKey key) {
+  return std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
+}
+
+// Our kernels for aten::relu / relu_ at `key`: `autograd` picks relu_ext's
+// autograd kernels, else its forward kernels.
+std::unique_ptr<torch::Library> take_over_relu(c10::DispatchKey key, bool autograd) {
   auto relu = std::make_shared<const Original>("aten::relu", key);
   auto relu_ = std::make_shared<const Original>("aten::relu_", key);
-  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
+  auto lib = library(key);
   lib->impl("relu", [relu, autograd](c10::DispatchKeySet ks, const at::Tensor& x) -> at::Tensor {
-    if (!takes(x)) return relu->relu(ks, x);
+    if (!takes(x)) return relu->call(ks, x);
     return autograd ? relu_autograd(x) : relu_kernel(x);
   });
   lib->impl("relu_", [relu_, autograd](c10::DispatchKeySet ks, at::Tensor& x) -> at::Tensor& {
-    if (!takes(x)) return relu_->relu_(ks, x);
+    if (!takes(x)) return relu_->call_(ks, x);
     autograd ? relu_autograd_(x) : relu_kernel_(x);
     return x;
   });
   return lib;
 }
 
+// The same for an activation of the family: aten::<name> / <name>_, with its
+// Scalar arguments.
+template <typename Act, size_t... I>
+std::unique_ptr<torch::Library> take_over_act(c10::DispatchKey key, bool autograd, std::index_sequence<I...>) {
+  const std::string name = Act::kName;
+  auto fn = std::make_shared<const Original>("aten::" + name, key);
+  auto fn_ = std::make_shared<const Original>("aten::" + name + "_", key);
+  auto lib = library(key);
+  lib->impl(name.c_str(), [fn, autograd](c10::DispatchKeySet ks, const at::Tensor& x, ScalarArg<I>... s) -> at::Tensor {
+    if (!takes_float(x)) return fn->call(ks, x, s...);
+    ActArgs a;
+    ((a[I] = s), ...);
+    return autograd ? act_autograd<Act>(x, a) : act_kernel<Act>(x, a);
+  });
+  lib->impl((name + "_").c_str(), [fn_, autograd](c10::DispatchKeySet ks, at::Tensor& x, ScalarArg<I>... s) -> at::Tensor& {
+    if (!takes_float(x)) return fn_->call_(ks, x, s...);
+    ActArgs a;
+    ((a[I] = s), ...);
+    autograd ? act_autograd_<Act>(x, a) : act_kernel_<Act>(x, a);
+    return x;
+  });
+  return lib;
+}
+
+// Autograd and forward kernels for each device relu_ext has kernels for.
+template <typename TakeOver>
+Libraries take_over_keys(TakeOver&& take_over) {
+  Libraries libs;
+  libs.push_back(take_over(c10::DispatchKey::AutogradCPU, true));
+  libs.push_back(take_over(c10::DispatchKey::CPU, false));
+#ifdef WITH_CUDA
+  libs.push_back(take_over(c10::DispatchKey::AutogradCUDA, true));
+  libs.push_back(take_over(c10::DispatchKey::CUDA, false));
+#endif
+  return libs;
+}
+
+Libraries take_over_op(const std::string& op) {
+  if (op == "relu") return take_over_keys(take_over_relu);
+#define X(Act)                                                                                       \
+  if (op == Act::kName) {                                                                            \
+    return take_over_keys([](c10::DispatchKey key, bool autograd) {                                  \
+      return take_over_act<Act>(key, autograd, std::make_index_sequence<Act::kArgs>());              \
+    });                                                                                              \
+  }
+  RELU_EXT_FAMILY(X)
+#undef X
+  TORCH_CHECK_VALUE(false, "relu_ext.install: unknown op '", op, "'; choose from ", c10::Join(", ", install_targets()));
+}
+
 std::mutex mutex;
-std::vector<std::unique_ptr<torch::Library>> registrations;  // empty: not installed
+std::map<std::string, Libraries> registrations;  // op -> its kernels, while installed
 
 }  // namespace
 
-void install() {
+std::vector<std::string> install_targets() {
+  std::vector<std::string> ops = {"relu"};
+#define X(Act) ops.push_back(Act::kName);
+  RELU_EXT_FAMILY(X)
+#undef X
+  return ops;
+}
+
+void install(const std::vector<std::string>& ops) {
   const std::lock_guard<std::mutex> lock(mutex);
-  if (!registrations.empty()) return;
   Silent silent;
   const c10::WarningUtils::WarningHandlerGuard quiet(&silent);
-  registrations.push_back(take_over(c10::DispatchKey::AutogradCPU, true));
-  registrations.push_back(take_over(c10::DispatchKey::CPU, false));
-#ifdef WITH_CUDA
-  registrations.push_back(take_over(c10::DispatchKey::AutogradCUDA, true));
-  registrations.push_back(take_over(c10::DispatchKey::CUDA, false));
-#endif
+  for (const auto& op : ops) {
+    if (registrations.count(op) == 0) registrations.emplace(op, take_over_op(op));
+  }
 }
 
-void uninstall() {
+void uninstall(const std::vector<std::string>& ops) {
   const std::lock_guard<std::mutex> lock(mutex);
-  // Newest first, so each key gets back exactly the kernel it had.
-  while (!registrations.empty()) registrations.pop_back();
+  for (const auto& op : ops) {
+    auto it = registrations.find(op);
+    if (it == registrations.end()) continue;
+    // Newest first, so each key gets back exactly the kernel it had.
+    while (!it->second.empty()) it->second.pop_back();
+    registrations.erase(it);
+  }
 }
 
-bool installed() {
+std::vector<std::string> installed() {
   const std::lock_guard<std::mutex> lock(mutex);
-  return !registrations.empty();
+  std::vector<std::string> ops;
+  for (const auto& entry : registrations) ops.push_back(entry.first);
+  return ops;
 }
 
 }  // namespace relu_ext

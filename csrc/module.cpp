@@ -44,20 +44,42 @@ PyObject* relu_entry(PyObject* input, bool inplace) {
   END_HANDLE_TH_ERRORS
 }
 
+template <typename Node>
 PyObject* saved_mask(PyObject* self, void* /*unused*/) {
   HANDLE_TH_ERRORS
-  const auto& node = *static_cast<ReluExtBackward0*>(reinterpret_cast<torch::autograd::THPCppFunction*>(self)->cdata.get());
+  const auto& node = *static_cast<Node*>(reinterpret_cast<torch::autograd::THPCppFunction*>(self)->cdata.get());
   return THPVariable_Wrap(node.mask_.unpack());
+  END_HANDLE_TH_ERRORS
+}
+
+// The family's Scalar arguments (a tuple of floats, schema order; 0 past the
+// op's own): what save_compact reads to tell whether outputs are mostly zeros.
+template <typename Act>
+PyObject* saved_args(PyObject* self, void* /*unused*/) {
+  HANDLE_TH_ERRORS
+  const auto& node =
+      *static_cast<MaskBackward<Act>*>(reinterpret_cast<torch::autograd::THPCppFunction*>(self)->cdata.get());
+  return Py_BuildValue("(dd)", node.args_[0].toDouble(), node.args_[1].toDouble());
   END_HANDLE_TH_ERRORS
 }
 
 using namespace torch::autograd;  // the THP_FUNCTION_DEFAULT_* macros name its functions unqualified
 
-PyGetSetDef node_properties[] = {
-    THP_FUNCTION_DEFAULT_PROPERTIES,
-    {(char*)"_saved_mask", (getter)saved_mask, nullptr, nullptr, nullptr},
-    {nullptr}};
-PyTypeObject node_type;
+// The Python type of a backward node: PyTorch's default properties plus
+// `_saved_mask`. Types and property tables live as long as the module.
+template <typename Node, getter kArgs = nullptr>
+void register_node(pybind11::module_& m, const char* name) {
+  static PyGetSetDef properties[] = {
+      THP_FUNCTION_DEFAULT_PROPERTIES,
+      {(char*)"_saved_mask", (getter)saved_mask<Node>, nullptr, nullptr, nullptr},
+      {kArgs ? (char*)"_saved_args" : nullptr, kArgs, nullptr, nullptr, nullptr},
+      {nullptr}};
+  static PyTypeObject type;
+  torch::autograd::_initFunctionPyTypeObject(type, name, properties, /*methods: the default ones*/ nullptr);
+  Py_INCREF(&type);
+  m.attr(name) = pybind11::handle(reinterpret_cast<PyObject*>(&type));
+  torch::autograd::registerCppFunction(typeid(Node), &type);
+}
 
 }  // namespace
 }  // namespace relu_ext
@@ -103,12 +125,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pybind11::arg("input"), pybind11::arg("inplace") = false,
       "relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op).");
 
-  m.def("install", &install, "Register relu_ext's kernels for aten::relu and aten::relu_ (idempotent).");
-  m.def("uninstall", &uninstall, "Remove them: PyTorch's own kernels are back (idempotent).");
-  m.def("installed", &installed, "Whether relu_ext's kernels are registered for aten::relu.");
+  m.def("install_targets", &install_targets, "The aten ops install() can take over, by name.");
+  m.def("install", &install, pybind11::arg("ops"),
+        "Register relu_ext's kernels for these aten ops (and their in-place forms; idempotent).");
+  m.def("uninstall", &uninstall, pybind11::arg("ops"),
+        "Remove them: PyTorch's own kernels are back (idempotent).");
+  m.def("installed", &installed, "The aten ops relu_ext's kernels run now.");
 
-  torch::autograd::_initFunctionPyTypeObject(node_type, "ReluExtBackward0", node_properties, /*methods: the default ones*/ nullptr);
-  Py_INCREF(&node_type);
-  m.attr("ReluExtBackward0") = pybind11::handle(reinterpret_cast<PyObject*>(&node_type));
-  torch::autograd::registerCppFunction(typeid(ReluExtBackward0), &node_type);
+  register_node<ReluExtBackward0>(m, "ReluExtBackward0");
+#define X(Act) register_node<MaskBackward<Act>, &saved_args<Act>>(m, Act::kNode);
+  RELU_EXT_FAMILY(X)
+#undef X
 }

@@ -41,11 +41,11 @@ bool has_kernel_for(const at::Tensor& x) {
          (dev == at::kCPU || dev == at::kCUDA || dev == at::kMeta);
 }
 
-namespace {
-
 bool is_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
+
+namespace {
 
 bool is_int(at::ScalarType t) {
   return t == at::kByte || t == at::kChar || t == at::kShort || t == at::kInt || t == at::kLong;
@@ -68,16 +68,6 @@ void check_input(const at::Tensor& t, const char* op, const char* arg, bool ints
   TORCH_CHECK_NOT_IMPLEMENTED(false, op, ": ", arg, " has dtype ", dt,
                               "; relu_ext supports float32, float64, float16, bfloat16, int8, int16, int32, "
                               "int64 and uint8");
-}
-
-// Kernels walk memory linearly: give them `t` itself when it is dense, else a
-// dense copy laid out as empty_like(t) lays it out (mask_strides).
-at::Tensor dense(const at::Tensor& t) {
-  return t.is_non_overlapping_and_dense() ? t : at::empty_like(t).copy_(t);
-}
-
-at::Tensor new_mask(const at::Tensor& x) {
-  return at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
 }
 
 void run_forward(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
@@ -114,6 +104,27 @@ void forward_inplace(at::Tensor& x, uint8_t* mask) {
 
 bool is_relu_dtype(at::ScalarType t) { return is_float(t) || is_int(t); }
 
+// Kernels walk memory linearly: give them `t` itself when it is dense, else a
+// dense copy laid out as empty_like(t) lays it out (mask_strides).
+at::Tensor dense(const at::Tensor& t) {
+  return t.is_non_overlapping_and_dense() ? t : at::empty_like(t).copy_(t);
+}
+
+at::Tensor new_mask(const at::Tensor& x) {
+  return at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
+}
+
+void check_backward_mask(const at::Tensor& grad, const at::Tensor& mask, const char* op) {
+  TORCH_CHECK(mask.device() == grad.device(), op, ": grad is on ", grad.device(), " but mask is on ", mask.device(),
+              "; both must be on the same device");
+  TORCH_CHECK(mask.scalar_type() == at::kByte, op, ": mask has dtype ", mask.scalar_type(),
+              "; expected uint8 (the mask returned by the forward op)");
+  const int64_t need = (grad.numel() + 7) / 8;
+  TORCH_CHECK(mask.dim() == 1 && mask.numel() == need, op, ": mask has shape ", mask.sizes(), " but grad has ",
+              grad.numel(), " elements, which need a 1-D mask of ", need, " bytes");
+  TORCH_CHECK(mask.is_contiguous(), op, ": mask must be contiguous");
+}
+
 // --- CPU / CUDA kernels ------------------------------------------------------
 // (relu_kernel / relu_kernel_ are also what install() runs for aten::relu.)
 
@@ -146,14 +157,7 @@ at::Tensor relu_fwd_(at::Tensor& x) {
 // backward node sees to that.
 at::Tensor relu_bwd(const at::Tensor& grad, const at::Tensor& mask) {
   check_input(grad, "relu_ext::relu_bwd", "grad", /*ints=*/false);
-  TORCH_CHECK(mask.device() == grad.device(), "relu_ext::relu_bwd: grad is on ", grad.device(),
-              " but mask is on ", mask.device(), "; both must be on the same device");
-  TORCH_CHECK(mask.scalar_type() == at::kByte, "relu_ext::relu_bwd: mask has dtype ", mask.scalar_type(),
-              "; expected uint8 (the mask returned by relu_fwd)");
-  const int64_t need = (grad.numel() + 7) / 8;
-  TORCH_CHECK(mask.dim() == 1 && mask.numel() == need, "relu_ext::relu_bwd: mask has shape ", mask.sizes(),
-              " but grad has ", grad.numel(), " elements, which need a 1-D mask of ", need, " bytes");
-  TORCH_CHECK(mask.is_contiguous(), "relu_ext::relu_bwd: mask must be contiguous");
+  check_backward_mask(grad, mask, "relu_ext::relu_bwd");
   const at::Tensor gd = dense(grad);
   at::Tensor grad_in = at::empty_like(gd);
   run_backward(gd, mask.const_data_ptr<uint8_t>(), grad_in);

@@ -9,7 +9,10 @@
 
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#include "activations.h"
 
 namespace relu_ext {
 
@@ -57,6 +60,15 @@ void check_layout_and_device(const at::Tensor& t, const char* op, const char* ar
 bool has_kernel_for(const at::Tensor& x);
 // float32/64, float16, bfloat16 and the integer types relu / relu_ take.
 bool is_relu_dtype(at::ScalarType t);
+// float32/64, float16, bfloat16: the dtypes the mask-writing ops take.
+bool is_float(at::ScalarType t);
+
+// Shared by the ops of ReLU and of the family (family.cpp): `t` itself when
+// it is dense, else a dense copy laid out as empty_like(t); a mask for x
+// (ceil(n / 8) bytes); and the checks of a mask-reading backward op.
+at::Tensor dense(const at::Tensor& t);
+at::Tensor new_mask(const at::Tensor& x);
+void check_backward_mask(const at::Tensor& grad, const at::Tensor& mask, const char* op);
 
 // The kernels of the public ops, for install.cpp: relu_kernel / relu_kernel_
 // are the CPU and CUDA ones (ops.cpp), relu_autograd / relu_autograd_ the
@@ -66,17 +78,39 @@ void relu_kernel_(at::Tensor& x);
 at::Tensor relu_autograd(const at::Tensor& x);
 void relu_autograd_(at::Tensor& x);
 
-// relu_ext's kernels for aten::relu / aten::relu_ (install.cpp): install()
-// registers them with the dispatcher, uninstall() removes them; both are
-// idempotent, counting is the Python layer's.
-void install();
-void uninstall();
-bool installed();
+// relu_ext's kernels for PyTorch's aten ops (install.cpp): install(ops)
+// registers them for the named ops ("relu" and the family's names, see
+// install_targets()) with the dispatcher, uninstall(ops) removes them; both
+// are idempotent, counting is the Python layer's. installed(): the ops now taken.
+std::vector<std::string> install_targets();
+void install(const std::vector<std::string>& ops);
+void uninstall(const std::vector<std::string>& ops);
+std::vector<std::string> installed();
 
 // The dense layout an op on `x` walks, hence the order of its mask bits: x's
 // own strides when x is dense, else the ones empty_like(x) picks (the layout
 // torch.relu gives its output).
 std::vector<c10::SymInt> mask_strides(const at::Tensor& x);
+
+// torch 2.14 holds nodes in c10::intrusive_ptr, torch 2.11 in std::shared_ptr.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <typename T>
+NodePtr new_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
+    return c10::make_intrusive<T>();
+  } else {
+    // deleteNode frees long chains of nodes without deep recursion (found by ADL).
+    return std::shared_ptr<T>(new T(), [](T* node) { deleteNode(node); });
+  }
+}
+
+// `grad` laid out as a mask expects. A copy_ also broadcasts, so a node
+// called by hand with a scalar gradient works as PyTorch's nodes do.
+inline at::Tensor to_mask_layout(const at::Tensor& grad, c10::SymIntArrayRef sizes, c10::SymIntArrayRef strides) {
+  if (grad.sym_sizes() == sizes && grad.sym_strides() == strides) return grad;
+  return grad.new_empty_strided_symint(sizes, strides).copy_(grad);
+}
 
 // The backward of every mask-saving op: grad_in = keep ? grad : +0, from the
 // mask alone. It is also its own derivative (linear in grad), so double
@@ -96,5 +130,37 @@ struct ReluExtBackward0 : public torch::autograd::TraceableFunction {
   std::vector<c10::SymInt> sizes_;
   std::vector<c10::SymInt> strides_;
 };
+
+// The family's backward node (family.cpp), one type per activation, named
+// by its trait's kNode: grad_in from the mask alone and the op's Scalar
+// arguments. Linear in grad, so double backward records another one.
+// `inplace_error`: the in-place op's backward PyTorch refuses (leaky_relu_
+// with a negative slope), raised when the node runs, as PyTorch raises it.
+template <typename Act>
+struct MaskBackward : public torch::autograd::TraceableFunction {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  std::string name() const override { return Act::kNode; }
+  void release_variables() override;
+  void compiled_args(torch::autograd::CompiledNodeArgs& args) const override;
+  torch::autograd::variable_list apply_with_saved(const torch::autograd::variable_list& grads,
+                                                  torch::autograd::SwapSavedVariables& saved) override;
+
+  torch::autograd::SavedVariable mask_;
+  std::vector<c10::SymInt> sizes_;
+  std::vector<c10::SymInt> strides_;
+  ActArgs args_;
+  bool inplace_error_ = false;
+};
+
+// The family's public kernels, for install.cpp: forward (CPU / CUDA keys)
+// and autograd, with the op's Scalar arguments in an ActArgs.
+template <typename Act>
+at::Tensor act_kernel(const at::Tensor& x, const ActArgs& a);
+template <typename Act>
+void act_kernel_(at::Tensor& x, const ActArgs& a);
+template <typename Act>
+at::Tensor act_autograd(const at::Tensor& x, const ActArgs& a);
+template <typename Act>
+void act_autograd_(at::Tensor& x, const ActArgs& a);
 
 }  // namespace relu_ext

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "activations.h"
 #include "relu.h"
 
 namespace relu_ext {
@@ -184,6 +185,59 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < V; ++j) o.v[j] = ((bits[k] >> j) & 1u) ? in[k].v[j] : U(0);
       store<U, V>(out, (row0 + k) * kRow + lane * V, n, o);
+    }
+  });
+}
+
+// The family (activations.h): the same loops as fwd_kernel / bwd_kernel, on
+// the trait's values instead of bits. Elements past n get mask bit 0, as on
+// the CPU.
+template <typename Act, typename T, int V, int K>
+__global__ void __launch_bounds__(kThreads)
+    act_fwd_kernel(const T* x, T* y, uint8_t* mask, int64_t n, typename Act::template Params<T> p) {
+  using P = Pack<T, V>;
+  constexpr int64_t kRow = 32 * V;
+  for_each_group<V, K>(n, [&](int64_t row0, int lane) {
+    P in[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) in[k] = load<T, V>(x, (row0 + k) * kRow + lane * V, n);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t base = (row0 + k) * kRow + lane * V;
+      P out;
+      uint32_t ballot[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        out.v[j] = Act::forward(in[k].v[j], p);
+        ballot[j] = __ballot_sync(0xFFFFFFFFu, base + j < n && Act::keep(in[k].v[j], p));
+      }
+      store<T, V>(y, base, n, out);
+      if (mask != nullptr && lane < V) store_mask_word(mask, (row0 + k) * V + lane, tile_word<V>(ballot, lane), n);
+    }
+  });
+}
+
+template <typename Act, typename T, int V, int K>
+__global__ void __launch_bounds__(kThreads)
+    act_bwd_kernel(const T* __restrict__ g, const uint8_t* __restrict__ mask, T* __restrict__ out, int64_t n,
+                   typename Act::template Params<T> p) {
+  using P = Pack<T, V>;
+  constexpr int64_t kRow = 32 * V;
+  for_each_group<V, K>(n, [&](int64_t row0, int lane) {
+    P in[K];
+    uint32_t bits[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t base = (row0 + k) * kRow + lane * V;
+      in[k] = load<T, V>(g, base, n);
+      bits[k] = base < n ? mask[base >> 3] >> (base & 7) : 0u;
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      P o;
+#pragma unroll
+      for (int j = 0; j < V; ++j) o.v[j] = Act::grad(in[k].v[j], ((bits[k] >> j) & 1u) != 0, p);
+      store<T, V>(out, (row0 + k) * kRow + lane * V, n, o);
     }
   });
 }

@@ -127,7 +127,7 @@ def test_stub_declares_the_native_module():
         elif isinstance(node, ast.AnnAssign):
             declared.add(node.target.id)
     public = {name for name in dir(_C) if not name.startswith("__")}
-    assert declared == public
+    assert declared - {"_FamilyBackward"} == public  # the stub's shared base of the family's node types
 
 
 def test_metadata():

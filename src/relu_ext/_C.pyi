@@ -27,14 +27,18 @@ def set_cuda_unroll(rows: int) -> None:
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
     """relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op)."""
 
-def install() -> None:
-    """Register relu_ext's kernels for aten::relu and aten::relu_ (idempotent)."""
+def install_targets() -> list[str]:
+    """The aten ops install() can take over, by name: 'relu' and the family's."""
 
-def uninstall() -> None:
+def install(ops: list[str]) -> None:
+    """Register relu_ext's kernels for these aten ops and their in-place forms
+    (idempotent; ValueError for an unknown name)."""
+
+def uninstall(ops: list[str]) -> None:
     """Remove them: PyTorch's own kernels are back (idempotent)."""
 
-def installed() -> bool:
-    """Whether relu_ext's kernels are registered for aten::relu."""
+def installed() -> list[str]:
+    """The aten ops relu_ext's kernels run now."""
 
 class ReluExtBackward0:
     """The backward node's Python type (``y.grad_fn`` of a relu_ext output)."""
@@ -43,3 +47,19 @@ class ReluExtBackward0:
     next_functions: tuple[tuple[Any, int], ...]
     def __call__(self, *grads: Tensor) -> Any: ...
     def name(self) -> str: ...
+
+
+class _FamilyBackward:
+    """A family node's Python type: the mask, and the op's Scalar arguments
+    (as floats, schema order, 0.0 past the op's own)."""
+
+    _saved_mask: Tensor
+    _saved_args: tuple[float, float]
+    next_functions: tuple[tuple[Any, int], ...]
+    def __call__(self, *grads: Tensor) -> Any: ...
+    def name(self) -> str: ...
+
+class HardtanhExtBackward0(_FamilyBackward): ...
+class LeakyReluExtBackward0(_FamilyBackward): ...
+class ThresholdExtBackward0(_FamilyBackward): ...
+class HardsigmoidExtBackward0(_FamilyBackward): ...

@@ -21,12 +21,17 @@ from . import export as _export  # noqa: E402, F401  (registers the ONNX and dec
 from ._build import build_info, cuda_available  # noqa: E402
 from .compact import save_compact  # noqa: E402
 from .dispatch import Installation, install, installed, uninstall  # noqa: E402
+from .activations import (  # noqa: E402
+    Hardsigmoid, Hardtanh, LeakyReLU, ReLU6, Threshold, hardsigmoid, hardtanh, leaky_relu, relu6, threshold,
+)
+from .dispatch import targets as install_targets  # noqa: E402
 from .export import aten_decompositions  # noqa: E402
 from .ops import ReLU, convert, relu, revert  # noqa: E402
 
 __all__ = [
-    "ReLU", "relu", "convert", "revert", "install", "uninstall", "installed", "Installation",
-    "aten_decompositions", "save_compact", "cuda_available", "build_info",
+    "ReLU", "relu", "ReLU6", "relu6", "Hardtanh", "hardtanh", "LeakyReLU", "leaky_relu", "Threshold", "threshold",
+    "Hardsigmoid", "hardsigmoid", "convert", "revert", "install", "uninstall", "installed", "install_targets",
+    "Installation", "aten_decompositions", "save_compact", "cuda_available", "build_info",
 ]
 __version__ = "0.1.0"
 
@@ -35,5 +40,7 @@ if not cuda_available():
     _build.warn_if_gpu_unused(False, _torch.cuda.is_available())
 
 # Pickles and reprs name the public path.
-for _public in (ReLU, relu, Installation, install, uninstall, installed, aten_decompositions, save_compact):
+for _public in (ReLU, relu, ReLU6, relu6, Hardtanh, hardtanh, LeakyReLU, leaky_relu, Threshold, threshold, Hardsigmoid,
+                hardsigmoid, Installation, install, uninstall, installed, install_targets, aten_decompositions,
+                save_compact):
     _public.__module__ = __name__

@@ -29,6 +29,36 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 _RELU_NODES = frozenset({"ReluBackward0", "ReluExtBackward0"})
+
+
+def _family_nodes() -> dict[str, tuple[Any, bool]]:
+    """Node name -> (its activation, whether it is relu_ext's), from the activation table."""
+    from .activations import ACTIVATIONS
+
+    nodes: dict[str, tuple[Any, bool]] = {}
+    for act in ACTIVATIONS:
+        nodes[act.node] = (act, True)
+        nodes[act.torch_node] = (act, False)
+    return nodes
+
+
+_FAMILY_NODES = _family_nodes()
+
+
+def _mostly_zeros(fn: Any) -> bool:
+    """Whether outputs of `fn`'s op are mostly zeros: ReLU, and the family where
+    its arguments say so (relu6 / hardtanh with min_val 0, threshold with value
+    0, hardsigmoid). PyTorch's nodes keep some arguments (``_saved_min_val``),
+    relu_ext's keep them all (``_saved_args``); an argument not kept counts as no."""
+    name = fn.name()
+    if name in _RELU_NODES:
+        return True
+    hit = _FAMILY_NODES.get(name)
+    if hit is None:
+        return False
+    act, ours = hit
+    args = fn._saved_args if ours else tuple(getattr(fn, f"_saved_{p}", None) for p in act.params)
+    return bool(act.zeros(args))
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
 
 
@@ -152,12 +182,13 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _is_relu_output(t: Tensor) -> bool:
-    """Whether `t` is a plain dense floating-point ReLU output worth compacting."""
+    """Whether `t` is a plain dense floating-point output of ReLU (or of the
+    family, where mostly zeros) worth compacting."""
     fn = t.grad_fn
     return (
         fn is not None
         and type(t) is torch.Tensor
-        and fn.name() in _RELU_NODES
+        and _mostly_zeros(fn)
         and t.is_floating_point()
         and t.layout == torch.strided
         and t.device.type in ("cpu", "cuda")

@@ -1,7 +1,9 @@
 """What the exporters need to know about the relu_ext ops, registered at import.
 
 - TorchScript-based ONNX export (``torch.onnx.export(..., dynamo=False)``): a
-  symbolic that writes ``relu_ext::relu`` as a standard ``Relu`` node (the JIT
+  symbolic that writes ``relu_ext::relu`` as a standard ``Relu`` node, and the
+  family's ops as PyTorch's own symbolics write theirs (``Clip``,
+  ``LeakyRelu``, ``HardSigmoid``, ...) (the JIT
   tracer records ``relu_`` as ``relu`` plus ``copy_``, see csrc/ops.cpp).
 - ``torch.export``-based ONNX export (``dynamo=True``) and anything else that
   decomposes with ``torch._decomp.decomposition_table``: ``relu`` decomposes
@@ -17,9 +19,12 @@ from typing import Any, Callable
 
 import torch
 import torch.onnx
+import torch.onnx.symbolic_opset9
+import torch.onnx.symbolic_opset11
 from torch import Tensor
 
 from . import ops  # noqa: F401  (loads the native library: the ops must exist first)
+from .activations import ACTIVATIONS
 
 _ONNX_MIN_OPSET = 7  # the oldest opset the TorchScript exporter targets; Relu has been in ONNX since opset 1
 
@@ -40,8 +45,36 @@ def _relu_inplace_decomposition(x: Tensor) -> None:
     torch.ops.aten.relu_.default(x)
 
 
+def _family_exporters(name: str) -> None:
+    """The same for an activation of the family: its aten op, and PyTorch's own ONNX symbolic for it."""
+    aten, aten_ = getattr(torch.ops.aten, name).default, getattr(torch.ops.aten, f"{name}_").default
+    ours, ours_ = getattr(torch.ops.relu_ext, name).default, getattr(torch.ops.relu_ext, f"{name}_").default
+
+    def decomposition(x: Tensor, *args: Any) -> Tensor:
+        return aten(x, *args)
+
+    def inplace_decomposition(x: Tensor, *args: Any) -> None:
+        aten_(x, *args)
+
+    torch._decomp.register_decomposition(ours)(decomposition)
+    _FAMILY_TABLE[ours], _FAMILY_TABLE[ours_] = decomposition, inplace_decomposition
+    # PyTorch's own symbolics, each from the opset that introduced it (Clip
+    # takes its bounds as inputs from opset 11 on), so both exporters write
+    # exactly what they write for PyTorch's op.
+    for opset, module in ((9, torch.onnx.symbolic_opset9), (11, torch.onnx.symbolic_opset11)):
+        symbolic = getattr(module, name, None)
+        if symbolic is not None:
+            torch.onnx.register_custom_op_symbolic(f"relu_ext::{name}", symbolic, opset)
+
+
+_FAMILY_TABLE: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+for _act in ACTIVATIONS:
+    _family_exporters(_act.name)
+
+
 def aten_decompositions() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
-    """PyTorch's default decompositions plus relu_ext's ``relu`` / ``relu_`` lowered to ``aten.relu`` / ``aten.relu_``.
+    """PyTorch's default decompositions plus relu_ext's public ops lowered to aten (``relu`` to ``aten.relu``,
+    ``hardtanh`` to ``aten.hardtanh``, ..., in-place forms included).
 
     For an exported program that must load where relu_ext is not installed::
 
@@ -55,4 +88,5 @@ def aten_decompositions() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     table = dict(torch.export.default_decompositions())
     table[torch.ops.relu_ext.relu.default] = _relu_decomposition
     table[torch.ops.relu_ext.relu_.default] = _relu_inplace_decomposition
+    table.update(_FAMILY_TABLE)
     return table

@@ -59,36 +59,45 @@ class ReLU(torch.nn.ReLU):
         return relu(input, self.inplace)
 
 
-def _swap(module: torch.nn.Module, src: type, dst: type, done: dict[int, torch.nn.Module]) -> torch.nn.Module:
-    """``module`` with every submodule of type exactly ``src`` replaced by a ``dst``."""
+def _swap(module: torch.nn.Module, mapping: dict[type, type], done: dict[int, torch.nn.Module]) -> torch.nn.Module:
+    """``module`` with every submodule whose type is exactly a key of ``mapping`` replaced by its value."""
     if id(module) in done:
         return done[id(module)]
-    if type(module) is src:
+    dst = mapping.get(type(module))
+    if dst is not None:
         new = dst.__new__(dst)
-        new.__dict__.update(module.__dict__)  # inplace, training flag, hooks: all kept
+        new.__dict__.update(module.__dict__)  # arguments, inplace, training flag, hooks: all kept
         done[id(module)] = new
         return new
     done[id(module)] = module
     for name, child in list(module._modules.items()):
         if child is not None:
-            module._modules[name] = _swap(child, src, dst, done)
+            module._modules[name] = _swap(child, mapping, done)
     return module
 
 
-def convert(module: torch.nn.Module) -> torch.nn.Module:
-    """Replace every ``torch.nn.ReLU`` in ``module`` (type exactly ``nn.ReLU``) by ``relu_ext.ReLU``.
+def _pairs() -> list[tuple[type, type]]:
+    """(torch.nn class, relu_ext class) for ReLU and every activation of the family."""
+    from .activations import ACTIVATIONS
 
-    Works in place and returns ``module`` (or, when ``module`` itself is an
-    ``nn.ReLU``, its replacement). ``inplace`` is kept, and a ReLU used in
-    several places stays one shared module.
+    return [(torch.nn.ReLU, ReLU)] + [pair for act in ACTIVATIONS for pair in act.modules]
+
+
+def convert(module: torch.nn.Module) -> torch.nn.Module:
+    """Replace every ``nn.ReLU``, ``nn.ReLU6``, ``nn.Hardtanh``, ``nn.LeakyReLU``, ``nn.Threshold``
+    and ``nn.Hardsigmoid`` in ``module`` (type exactly that class) by relu_ext's subclass.
+
+    Works in place and returns ``module`` (or, when ``module`` itself is one of
+    them, its replacement). Arguments and ``inplace`` are kept (so is the
+    ``state_dict``), and a module used in several places stays one shared module.
     """
-    return _swap(module, torch.nn.ReLU, ReLU, {})
+    return _swap(module, dict(_pairs()), {})
 
 
 def revert(module: torch.nn.Module) -> torch.nn.Module:
-    """The inverse of :func:`convert`: every ``relu_ext.ReLU`` back to ``torch.nn.ReLU``.
+    """The inverse of :func:`convert`: every relu_ext module back to its ``torch.nn`` class.
 
-    For tools that match ``nn.ReLU`` by type, such as quantization's
+    For tools that match ``torch.nn`` classes by type, such as quantization's
     ``fuse_modules``.
     """
-    return _swap(module, ReLU, torch.nn.ReLU, {})
+    return _swap(module, {ours: theirs for theirs, ours in _pairs()}, {})

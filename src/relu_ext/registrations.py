@@ -132,3 +132,76 @@ def _relu_bwd_vmap(info: Any, in_dims: tuple[int | None, int | None], grad: Tens
     if out:
         return torch.stack(out), 0
     return (grad.unsqueeze(0)[:0] if gd is None else grad.movedim(gd, 0)).clone(), 0
+
+
+# --- the family (activations.ACTIVATIONS): the same rules, generated per op -------------
+
+
+def _register_family(name: str) -> None:
+    op = f"relu_ext::{name}"
+    fwd, fwd_, bwd = getattr(_ops, f"{name}_fwd"), getattr(_ops, f"{name}_fwd_"), getattr(_ops, f"{name}_bwd")
+    public, public_ = getattr(_ops, name), getattr(_ops, f"{name}_")
+
+    torch.library.register_fake(op)(lambda x, *args: torch.empty_like(x))
+    torch.library.register_fake(f"{op}_")(lambda x, *args: None)
+    torch.library.register_fake(f"{op}_fwd")(
+        lambda x, *args: (torch.empty_like(x), x.new_empty((_mask_numel(x),), dtype=torch.uint8))
+    )
+    torch.library.register_fake(f"{op}_fwd_")(lambda x, *args: x.new_empty((_mask_numel(x),), dtype=torch.uint8))
+
+    def bwd_fake(grad: Tensor, mask: Tensor, *args: Any) -> Tensor:
+        torch._check(grad.device == mask.device, lambda: f"{op}_bwd: grad is on {grad.device} but mask is on {mask.device}")
+        torch._check(mask.dtype == torch.uint8, lambda: f"{op}_bwd: mask has dtype {mask.dtype}; expected uint8")
+        torch._check(
+            mask.dim() == 1 and mask.numel() == _mask_numel(grad),
+            lambda: f"{op}_bwd: mask has shape {tuple(mask.shape)} but grad has {grad.numel()} elements",
+        )
+        return torch.empty_like(grad)
+
+    torch.library.register_fake(f"{op}_bwd")(bwd_fake)
+
+    # Element-wise: the public ops run on the whole batch; the mask ops per sample.
+    def public_vmap(info: Any, in_dims: tuple, x: Tensor, *args: Any) -> tuple[Tensor, int | None]:
+        return public(x, *args), in_dims[0]
+
+    def public_inplace_vmap(info: Any, in_dims: tuple, x: Tensor, *args: Any) -> tuple[None, None]:
+        public_(x, *args)
+        return None, None
+
+    def fwd_vmap(info: Any, in_dims: tuple, x: Tensor, *args: Any) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
+        d = in_dims[0]
+        results = _per_sample(info.batch_size, lambda b: fwd(x.select(d, b), *args))
+        y = torch.stack([r[0] for r in results]) if results else x.movedim(d, 0).clone()
+        return (y, _stacked_masks([r[1] for r in results], x, d)), (0, 0)
+
+    def fwd_inplace_vmap(info: Any, in_dims: tuple, x: Tensor, *args: Any) -> tuple[Tensor, int]:
+        d = in_dims[0]
+        masks = _per_sample(info.batch_size, lambda b: fwd_(x.select(d, b), *args))
+        return _stacked_masks(masks, x, d), 0
+
+    def bwd_vmap(info: Any, in_dims: tuple, grad: Tensor, mask: Tensor, *args: Any) -> tuple[Tensor, int]:
+        gd, md = in_dims[0], in_dims[1]
+        out = _per_sample(
+            info.batch_size,
+            lambda b: bwd(grad if gd is None else grad.select(gd, b),
+                          mask if md is None else mask.select(md, b).contiguous(), *args),
+        )
+        if out:
+            return torch.stack(out), 0
+        return (grad.unsqueeze(0)[:0] if gd is None else grad.movedim(gd, 0)).clone(), 0
+
+    torch.library.register_vmap(op)(public_vmap)
+    torch.library.register_vmap(f"{op}_")(public_inplace_vmap)
+    torch.library.register_vmap(f"{op}_fwd")(fwd_vmap)
+    torch.library.register_vmap(f"{op}_fwd_")(fwd_inplace_vmap)
+    torch.library.register_vmap(f"{op}_bwd")(bwd_vmap)
+
+
+def _register_all() -> None:
+    from .activations import ACTIVATIONS
+
+    for act in ACTIVATIONS:
+        _register_family(act.name)
+
+
+_register_all()

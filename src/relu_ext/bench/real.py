@@ -29,12 +29,33 @@ import relu_ext
 
 from . import models, peers, timing
 
-MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "t5_relu"]
+MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "mobilenet_v2", "darknet", "t5_relu"]
 QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
 CONFIGS = ["nn.ReLU", "install", "install+compact", "nn.ReLU+compact"]
 COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
 # Images per batch at 112x112 (64x64 with --quick): what this 2-core machine steps through in about a second.
-BATCH = {"resnet18": 16, "resnet50": 8, "vgg11": 8, "googlenet": 16, "densenet121": 8, "t5_relu": 8}
+BATCH = {"resnet18": 16, "resnet50": 8, "vgg11": 8, "googlenet": 16, "densenet121": 8, "mobilenet_v2": 16,
+         "darknet": 16, "t5_relu": 8}
+
+
+def darknet(width: int = 32, classes: int = 1000) -> nn.Sequential:
+    """A darknet-style CNN (conv -> BatchNorm -> LeakyReLU(0.1), 3x3 / 1x1 bottlenecks, max-pools),
+    built here so that the benchmark needs no model package for it."""
+
+    def block(c_in: int, c_out: int, k: int) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, c_out, k, padding=k // 2, bias=False), nn.BatchNorm2d(c_out), nn.LeakyReLU(0.1)]
+
+    layers: list[nn.Module] = []
+    c = 3
+    for i, w in enumerate([width, 2 * width, 4 * width, 8 * width, 16 * width]):
+        layers += block(c, w, 3)
+        if i >= 2:  # 3x3 -> 1x1 -> 3x3, as darknet-19
+            layers += block(w, w // 2, 1) + block(w // 2, w, 3)
+        if i < 4:
+            layers.append(nn.MaxPool2d(2))
+        c = w
+    layers += [nn.Conv2d(c, classes, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    return nn.Sequential(*layers)
 
 
 def build(name: str, dtype: torch.dtype, device: str, quick: bool) -> tuple[nn.Module, Any]:
@@ -54,6 +75,10 @@ def build(name: str, dtype: torch.dtype, device: str, quick: bool) -> tuple[nn.M
         g = torch.Generator().manual_seed(0)
         inputs = {"input_ids": torch.randint(1, 512, (batch, length), generator=g).to(device),
                   "labels": torch.randint(1, 512, (batch, length), generator=g).to(device)}
+    elif name == "darknet":
+        model = darknet(16 if quick else 32)
+        batch, side = (2, 64) if quick else (BATCH[name], 112)
+        inputs = torch.randn(batch, 3, side, side, dtype=dtype, device=device)
     else:
         import torchvision
 

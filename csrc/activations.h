@@ -1,0 +1,189 @@
+// The activation table: ReLU's 1-bit family beyond ReLU itself, each as a
+// trait that the CPU kernels (family_cpu.cpp), the CUDA kernels
+// (relu_cuda_kernels.cuh), the ops and their autograd node (family.cpp) and
+// install() (install.cpp) are written once over. ReLU keeps its own tuned
+// kernels (relu.h); its contract is the same.
+//
+// A trait gives, for a storage type T (float, double, c10::Half,
+// c10::BFloat16; M = at::opmath_type<T>, float for the 16-bit types):
+//   Params<T>      the scalar arguments as PyTorch converts them for T
+//                  (c10::Scalar::to<T>, which raises on overflow as PyTorch does);
+//   forward(x, p)  the output, computed as PyTorch's scalar CPU loop does;
+//   keep(x, p)     the mask bit: PyTorch's backward predicate on the input;
+//   grad(g, k, p)  grad_in from grad and the mask bit.
+// kArgs: how many Scalar arguments the op takes; kSchemaArgs: them in schema
+// syntax (with PyTorch's defaults); kNode: the backward node's name.
+//
+// Where PyTorch's vectorized CPU loop and its scalar loop disagree, the
+// scalar loop (which is also what its CUDA kernels compute) is followed:
+// NaN payloads (the vectorized hardtanh / hardsigmoid / 16-bit loops write
+// all-ones NaNs) and hardtanh's gradient at a NaN input (the scalar
+// predicate `!(x <= min || x >= max)` passes it, the vectorized loop drops it).
+#pragma once
+
+#include <array>
+
+#include <ATen/OpMathType.h>
+#include <c10/core/Scalar.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "relu.h"
+
+namespace relu_ext {
+
+// An op's Scalar arguments, in schema order; unused ones stay 0.
+using ActArgs = std::array<c10::Scalar, 2>;
+
+template <typename T>
+using OpMath = at::opmath_type<T>;
+
+// hardtanh(x, min_val, max_val) = clamp(x, min, max); the bounds are
+// compared in opmath (PyTorch's backward does; for the forward it makes no
+// difference), the output is x itself (NaN payload kept) or a bound in T.
+struct Hardtanh {
+  static constexpr const char* kName = "hardtanh";
+  static constexpr const char* kNode = "HardtanhExtBackward0";
+  static constexpr const char* kSchemaArgs = ", Scalar min_val=-1, Scalar max_val=1";
+  static constexpr int kArgs = 2;
+  template <typename T>
+  struct Params {
+    OpMath<T> lo, hi;
+    T lo_t, hi_t;
+  };
+  template <typename T>
+  static Params<T> params(const ActArgs& a) {
+    return {a[0].to<OpMath<T>>(), a[1].to<OpMath<T>>(), a[0].to<T>(), a[1].to<T>()};
+  }
+  template <typename T>
+  RELU_HD static T forward(T x, const Params<T>& p) {
+    const OpMath<T> v = static_cast<OpMath<T>>(x);
+    const bool low = v < p.lo;                   // std::max(x, lo): x when NaN
+    return p.hi < (low ? p.lo : v) ? p.hi_t : (low ? p.lo_t : x);  // std::min(.., hi)
+  }
+  template <typename T>
+  RELU_HD static bool keep(T x, const Params<T>& p) {
+    const OpMath<T> v = static_cast<OpMath<T>>(x);
+    return !(v <= p.lo || v >= p.hi);
+  }
+  template <typename T>
+  RELU_HD static T grad(T g, bool keep, const Params<T>&) {
+    return keep ? g : T(0);
+  }
+};
+
+// leaky_relu(x, negative_slope): x > 0 ? x : x * slope, in opmath.
+struct LeakyRelu {
+  static constexpr const char* kName = "leaky_relu";
+  static constexpr const char* kNode = "LeakyReluExtBackward0";
+  static constexpr const char* kSchemaArgs = ", Scalar negative_slope=0.01";
+  static constexpr int kArgs = 1;
+  template <typename T>
+  struct Params {
+    OpMath<T> slope;
+  };
+  template <typename T>
+  static Params<T> params(const ActArgs& a) {
+    return {a[0].to<OpMath<T>>()};
+  }
+  template <typename T>
+  RELU_HD static T forward(T x, const Params<T>& p) {
+    const OpMath<T> v = static_cast<OpMath<T>>(x);
+    return v > OpMath<T>(0) ? x : static_cast<T>(v * p.slope);
+  }
+  template <typename T>
+  RELU_HD static bool keep(T x, const Params<T>&) {
+    return static_cast<OpMath<T>>(x) > OpMath<T>(0);
+  }
+  template <typename T>
+  RELU_HD static T grad(T g, bool keep, const Params<T>& p) {
+    return keep ? g : static_cast<T>(static_cast<OpMath<T>>(g) * p.slope);
+  }
+};
+
+// threshold(x, threshold, value): x <= threshold ? value : x, compared in
+// opmath (the threshold is not rounded to a 16-bit type), value in T.
+struct Threshold {
+  static constexpr const char* kName = "threshold";
+  static constexpr const char* kNode = "ThresholdExtBackward0";
+  static constexpr const char* kSchemaArgs = ", Scalar threshold, Scalar value";
+  static constexpr int kArgs = 2;
+  template <typename T>
+  struct Params {
+    OpMath<T> threshold;
+    T value;
+  };
+  template <typename T>
+  static Params<T> params(const ActArgs& a) {
+    return {a[0].to<OpMath<T>>(), a[1].to<T>()};
+  }
+  template <typename T>
+  RELU_HD static T forward(T x, const Params<T>& p) {
+    return static_cast<OpMath<T>>(x) <= p.threshold ? p.value : x;
+  }
+  template <typename T>
+  RELU_HD static bool keep(T x, const Params<T>& p) {
+    return !(static_cast<OpMath<T>>(x) <= p.threshold);
+  }
+  template <typename T>
+  RELU_HD static T grad(T g, bool keep, const Params<T>&) {
+    return keep ? g : T(0);
+  }
+};
+
+// hardsigmoid(x) = min(max(x + 3, 0), 6) / 6 in opmath; gradient g * (1/6)
+// inside (-3, 3), where 1/6 is the float 1.0f / 6.0f for every dtype.
+struct Hardsigmoid {
+  static constexpr const char* kName = "hardsigmoid";
+  static constexpr const char* kNode = "HardsigmoidExtBackward0";
+  static constexpr const char* kSchemaArgs = "";
+  static constexpr int kArgs = 0;
+  template <typename T>
+  struct Params {};
+  template <typename T>
+  static Params<T> params(const ActArgs&) {
+    return {};
+  }
+  template <typename T>
+  RELU_HD static T forward(T x, const Params<T>&) {
+    using M = OpMath<T>;
+    const M a = static_cast<M>(x) + M(3);
+    const M lo = a < M(0) ? M(0) : a;  // std::max(a, 0)
+    const M hi = M(6) < lo ? M(6) : lo;  // std::min(lo, 6)
+    return static_cast<T>(hi / M(6));
+  }
+  template <typename T>
+  RELU_HD static bool keep(T x, const Params<T>&) {
+    using M = OpMath<T>;
+    const M v = static_cast<M>(x);
+    return v > M(-3) && v < M(3);
+  }
+  template <typename T>
+  RELU_HD static T grad(T g, bool keep, const Params<T>&) {
+    using M = OpMath<T>;
+    return keep ? static_cast<T>(static_cast<M>(g) * M(1.0f / 6.0f)) : T(0);
+  }
+};
+
+// The family, declared once: X(Trait). Every list of ops, kernels, nodes
+// and install targets in C++ is generated from it.
+#define RELU_EXT_FAMILY(X) \
+  X(Hardtanh)              \
+  X(LeakyRelu)             \
+  X(Threshold)             \
+  X(Hardsigmoid)
+
+// Kernels on dense tensors in memory order (x may alias y; mask may be null:
+// no mask is written). Float dtypes only: integer tensors never reach them.
+template <typename Act>
+void act_forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
+template <typename Act>
+void act_backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in, const ActArgs& args);
+#ifdef WITH_CUDA
+template <typename Act>
+void act_forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
+template <typename Act>
+void act_backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in, const ActArgs& args);
+#endif
+
+}  // namespace relu_ext

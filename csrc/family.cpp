@@ -1,0 +1,580 @@
+// The family's ops (activations.h), all generated from RELU_EXT_FAMILY: for
+// an activation `act` with Scalar arguments A,
+//   act(x, A) -> y, act_(x, A)                 public, as torch.nn.functional's
+//   act_fwd(x, A) -> (y, mask), act_fwd_(x, A) -> mask, act_bwd(grad, mask, A)
+//                                              the training pieces
+// with their kernels at every key, as ops.cpp and autograd.cpp write them for
+// relu: CPU / CUDA wrappers, ADInplaceOrView, Functionalize, Tracer, and
+// Autograd, whose node (MaskBackward<Act>) saves only the mask. What relu_ext
+// has no kernel for (integer dtypes, sparse, nested, quantized, other
+// devices) goes to PyTorch's own aten op, so it gets exactly its answer.
+#include <ATen/ATen.h>
+#include <ATen/FunctionalTensorWrapper.h>
+#include <ATen/MemoryOverlap.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+#include <torch/library.h>
+
+#include <string>
+#include <utility>
+
+#include "ops.h"
+
+namespace relu_ext {
+
+namespace ag = torch::autograd;
+using ag::variable_list;
+
+namespace {
+
+template <size_t>
+using ScalarArg = const c10::Scalar&;
+
+[[noreturn]] void no_cuda_kernels(const std::string& op) {
+  TORCH_CHECK(false, op,
+              ": input is on CUDA, but this relu_ext build has CPU kernels only (torch without CUDA, no nvcc "
+              "at build time, or RELU_EXT_FORCE_CPU=1); rebuild relu_ext where nvcc is available");
+}
+
+// PyTorch's message for the in-place leaky_relu_ backward with a negative slope.
+constexpr const char* kLeakyInplaceError =
+    "In-place leakyReLu backward calculation is triggered with a negative slope which is not supported. This is "
+    "caused by calling in-place forward function with a negative slope, please call out-of-place version instead "
+    "(relu_ext follows PyTorch here: the mask would allow it, but the same code must behave the same with both)";
+
+// Only leaky_relu_ has such a limit.
+template <typename Act>
+bool inplace_backward_refused(const ActArgs& a) {
+  if constexpr (std::is_same_v<Act, LeakyRelu>) {
+    return !(a[0].toDouble() >= 0.0);
+  } else {
+    return false;
+  }
+}
+
+template <typename Act, typename Seq = std::make_index_sequence<Act::kArgs>>
+struct Family;
+
+template <typename Act, size_t... I>
+struct Family<Act, std::index_sequence<I...>> {
+  using PubFn = at::Tensor(const at::Tensor&, ScalarArg<I>...);
+  using PubInplaceFn = void(at::Tensor&, ScalarArg<I>...);
+  using AtenInplaceFn = at::Tensor&(at::Tensor&, ScalarArg<I>...);
+  using FwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, ScalarArg<I>...);
+  using FwdInplaceFn = at::Tensor(at::Tensor&, ScalarArg<I>...);
+  using BwdFn = at::Tensor(const at::Tensor&, const at::Tensor&, ScalarArg<I>...);
+
+  static std::string name(const char* suffix) { return std::string("relu_ext::") + Act::kName + suffix; }
+
+  template <typename Fn>
+  static c10::TypedOperatorHandle<Fn> handle(const std::string& qualified) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "").template typed<Fn>();
+  }
+  static const auto& pub_op() {
+    static const auto h = handle<PubFn>(name(""));
+    return h;
+  }
+  static const auto& pub_inplace_op() {
+    static const auto h = handle<PubInplaceFn>(name("_"));
+    return h;
+  }
+  static const auto& fwd_op() {
+    static const auto h = handle<FwdFn>(name("_fwd"));
+    return h;
+  }
+  static const auto& fwd_inplace_op() {
+    static const auto h = handle<FwdInplaceFn>(name("_fwd_"));
+    return h;
+  }
+  static const auto& bwd_op() {
+    static const auto h = handle<BwdFn>(name("_bwd"));
+    return h;
+  }
+  static const auto& aten_op() {
+    static const auto h = handle<PubFn>(std::string("aten::") + Act::kName);
+    return h;
+  }
+  static const auto& aten_inplace_op() {
+    static const auto h = handle<AtenInplaceFn>(std::string("aten::") + Act::kName + "_");
+    return h;
+  }
+
+  static ActArgs args(ScalarArg<I>... s) {
+    ActArgs a;
+    ((a[I] = s), ...);
+    return a;
+  }
+
+  // --- CPU / CUDA wrappers ----------------------------------------------------
+
+  static void check_float(const at::Tensor& t, const std::string& op, const char* arg) {
+    TORCH_CHECK_NOT_IMPLEMENTED(is_float(t.scalar_type()), op, ": ", arg, " has dtype ", t.scalar_type(),
+                                "; this op writes or reads the gradient mask, for float32, float64, float16 and "
+                                "bfloat16 only (integer tensors carry no gradient: relu_ext::",
+                                Act::kName, " takes them)");
+  }
+
+  static void run_forward(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& a) {
+    if (x.is_cuda()) {
+#ifdef WITH_CUDA
+      return act_forward_cuda<Act>(x, y, mask, a);
+#else
+      no_cuda_kernels(name(""));
+#endif
+    }
+    act_forward_cpu<Act>(x, y, mask, a);
+  }
+
+  static at::Tensor forward_new(const at::Tensor& x, uint8_t* mask, const ActArgs& a) {
+    const at::Tensor xd = dense(x);
+    at::Tensor y = at::empty_like(xd);
+    run_forward(xd, y, mask, a);
+    return y;
+  }
+
+  static void forward_inplace(at::Tensor& x, uint8_t* mask, const ActArgs& a) {
+    at::assert_no_internal_overlap(x);
+    if (x.is_non_overlapping_and_dense()) return run_forward(x, x, mask, a);
+    at::Tensor xd = dense(x);
+    run_forward(xd, xd, mask, a);
+    x.copy_(xd);
+  }
+
+  // The public op's kernels take every dtype PyTorch's op takes: integers
+  // (and whatever PyTorch refuses, with its own error) go to aten.
+  static at::Tensor kernel(const at::Tensor& x, ScalarArg<I>... s) {
+    if (!is_float(x.scalar_type())) return aten_op().call(x, s...);
+    return forward_new(x, nullptr, args(s...));
+  }
+
+  static void kernel_(at::Tensor& x, ScalarArg<I>... s) {
+    if (!is_float(x.scalar_type())) {
+      aten_inplace_op().call(x, s...);
+      return;
+    }
+    forward_inplace(x, nullptr, args(s...));
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& x, ScalarArg<I>... s) {
+    check_float(x, name("_fwd"), "x");
+    at::Tensor mask = new_mask(x);
+    return {forward_new(x, mask.data_ptr<uint8_t>(), args(s...)), mask};
+  }
+
+  static at::Tensor fwd_(at::Tensor& x, ScalarArg<I>... s) {
+    check_float(x, name("_fwd_"), "x");
+    at::Tensor mask = new_mask(x);
+    forward_inplace(x, mask.data_ptr<uint8_t>(), args(s...));
+    return mask;
+  }
+
+  // `grad` must be laid out like the forward output (its mask order).
+  static at::Tensor bwd(const at::Tensor& grad, const at::Tensor& mask, ScalarArg<I>... s) {
+    const std::string op = name("_bwd");
+    check_float(grad, op, "grad");
+    check_backward_mask(grad, mask, op.c_str());
+    const at::Tensor gd = dense(grad);
+    at::Tensor grad_in = at::empty_like(gd);
+    if (gd.is_cuda()) {
+#ifdef WITH_CUDA
+      act_backward_cuda<Act>(gd, mask.const_data_ptr<uint8_t>(), grad_in, args(s...));
+      return grad_in;
+#else
+      no_cuda_kernels(op);
+#endif
+    }
+    act_backward_cpu<Act>(gd, mask.const_data_ptr<uint8_t>(), grad_in, args(s...));
+    return grad_in;
+  }
+
+  // --- ADInplaceOrView, Functionalize, Tracer (as ops.cpp's for relu) ---------
+
+  static void inplace_view(at::Tensor& x, ScalarArg<I>... s) {
+    {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      pub_inplace_op().call(x, s...);
+    }
+    ag::increment_version(x);
+  }
+
+  static at::Tensor fwd_inplace_view(at::Tensor& x, ScalarArg<I>... s) {
+    at::Tensor mask;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      mask = fwd_inplace_op().call(x, s...);
+    }
+    ag::increment_version(x);
+    return mask;
+  }
+
+  static void functionalize_(at::Tensor& x, ScalarArg<I>... s) {
+    namespace fz = at::functionalization::impl;
+    if (!fz::isFunctionalTensor(x)) {
+      const at::AutoDispatchSkipFunctionalize skip;
+      return pub_inplace_op().call(x, s...);
+    }
+    at::assert_no_internal_overlap(x);
+    fz::sync(x);
+    at::Tensor y;
+    {
+      const at::AutoDispatchSkipFunctionalize skip;
+      y = pub_op().call(fz::from_functional_tensor(x), s...);
+    }
+    fz::replace_(x, y);
+    fz::commit_update(x);
+    fz::sync(x);
+  }
+
+  static at::Tensor fwd_functionalize_(at::Tensor& x, ScalarArg<I>... s) {
+    namespace fz = at::functionalization::impl;
+    if (!fz::isFunctionalTensor(x)) {
+      const at::AutoDispatchSkipFunctionalize skip;
+      return fwd_inplace_op().call(x, s...);
+    }
+    at::assert_no_internal_overlap(x);
+    fz::sync(x);
+    at::Tensor y, mask;
+    {
+      const at::AutoDispatchSkipFunctionalize skip;
+      std::tie(y, mask) = fwd_op().call(fz::from_functional_tensor(x), s...);
+    }
+    fz::replace_(x, y);
+    fz::commit_update(x);
+    fz::sync(x);
+    return fz::to_functional_tensor(mask);
+  }
+
+  static void trace_(at::Tensor& x, ScalarArg<I>... s) { x.copy_(pub_op().call(x, s...)); }
+
+  // --- Autograd -----------------------------------------------------------------
+
+  // grad_in from the mask, through the dispatcher above autograd (so that it
+  // is differentiable again in grad).
+  static at::Tensor masked(const at::Tensor& grad, const at::Tensor& mask, c10::SymIntArrayRef sizes,
+                           c10::SymIntArrayRef strides, const ActArgs& a) {
+    return bwd_op().call(to_mask_layout(grad, sizes, strides), mask, a[I]...);
+  }
+
+  static NodePtr make_node(const at::Tensor& input, const at::Tensor& mask, c10::SymIntArrayRef sizes,
+                           std::vector<c10::SymInt> strides, const ActArgs& a) {
+    NodePtr node = new_node<MaskBackward<Act>>();
+    auto* fn = static_cast<MaskBackward<Act>*>(node.get());
+    fn->set_next_edges(ag::collect_next_edges(input));
+    if (mask.defined()) fn->mask_ = ag::SavedVariable(mask, /*is_output=*/false);
+    fn->sizes_ = sizes.vec();
+    fn->strides_ = std::move(strides);
+    fn->args_ = a;
+    return node;
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> differentiable_fwd(const at::Tensor& x, const ActArgs& a, bool grad,
+                                                                bool tangent) {
+    at::Tensor y, mask;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      std::tie(y, mask) = fwd_op().call(x, a[I]...);
+    }
+    auto strides = mask_strides(x);
+    if (tangent) y._set_fw_grad(masked(x._fw_grad(0), mask, x.sym_sizes(), strides, a), 0, /*is_inplace_op=*/false);
+    if (grad) ag::set_history(y, make_node(x, mask, x.sym_sizes(), std::move(strides), a));
+    return {y, mask};
+  }
+
+  static at::Tensor differentiable_fwd_(at::Tensor& x, const ActArgs& a, bool grad, bool tangent) {
+    const bool refused = inplace_backward_refused<Act>(a);
+    TORCH_CHECK(!(tangent && refused), kLeakyInplaceError);  // PyTorch's forward AD formula raises too
+    auto strides = mask_strides(x);
+    NodePtr node = grad ? make_node(x, at::Tensor(), x.sym_sizes(), strides, a) : NodePtr();
+    at::Tensor mask;
+    {
+      const at::AutoDispatchBelowAutograd below;  // ADInplaceOrView still bumps the version
+      mask = fwd_inplace_op().call(x, a[I]...);
+    }
+    if (node) {
+      auto* fn = static_cast<MaskBackward<Act>*>(node.get());
+      fn->mask_ = ag::SavedVariable(mask, /*is_output=*/false);
+      fn->inplace_error_ = refused;
+      ag::rebase_history(x, node);
+    }
+    if (tangent) {
+      at::Tensor t = x._fw_grad(0);
+      t.copy_(masked(t, mask, x.sym_sizes(), strides, a));
+    }
+    return mask;
+  }
+
+  static at::Tensor autograd(const at::Tensor& x, const ActArgs& a) {
+    if (!has_kernel_for(x) || !is_float(x.scalar_type())) return aten_op().call(x, a[I]...);  // PyTorch's own
+    const bool grad = ag::compute_requires_grad(x);
+    const bool tangent = ag::isFwGradDefined(x);
+    if (!grad && !tangent) {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      return pub_op().call(x, a[I]...);
+    }
+    return std::get<0>(differentiable_fwd(x, a, grad, tangent));
+  }
+
+  static void autograd_(at::Tensor& x, const ActArgs& a) {
+    if (!has_kernel_for(x) || !is_float(x.scalar_type())) {
+      aten_inplace_op().call(x, a[I]...);
+      return;
+    }
+    const bool grad = ag::compute_requires_grad(x);
+    const bool tangent = ag::isFwGradDefined(x);
+    ag::check_inplace(x, grad);
+    if (!grad && !tangent) {
+      const at::AutoDispatchBelowAutograd below;
+      return pub_inplace_op().call(x, a[I]...);
+    }
+    differentiable_fwd_(x, a, grad, tangent);
+  }
+
+  static at::Tensor pub_autograd(const at::Tensor& x, ScalarArg<I>... s) { return autograd(x, args(s...)); }
+  static void pub_autograd_(at::Tensor& x, ScalarArg<I>... s) { autograd_(x, args(s...)); }
+
+  static std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& x, ScalarArg<I>... s) {
+    check_layout_and_device(x, name("_fwd").c_str(), "x");
+    const bool grad = ag::compute_requires_grad(x);
+    const bool tangent = ag::isFwGradDefined(x);
+    if (!grad && !tangent) {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      return fwd_op().call(x, s...);
+    }
+    return differentiable_fwd(x, args(s...), grad, tangent);
+  }
+
+  static at::Tensor fwd_autograd_(at::Tensor& x, ScalarArg<I>... s) {
+    check_layout_and_device(x, name("_fwd_").c_str(), "x");
+    const bool grad = ag::compute_requires_grad(x);
+    const bool tangent = ag::isFwGradDefined(x);
+    ag::check_inplace(x, grad);
+    if (!grad && !tangent) {
+      const at::AutoDispatchBelowAutograd below;
+      return fwd_inplace_op().call(x, s...);
+    }
+    return differentiable_fwd_(x, args(s...), grad, tangent);
+  }
+
+  // Linear in grad with the same mask: its backward and tangent are itself.
+  static at::Tensor bwd_autograd(const at::Tensor& grad, const at::Tensor& mask, ScalarArg<I>... s) {
+    check_layout_and_device(grad, name("_bwd").c_str(), "grad");
+    const bool needs = ag::compute_requires_grad(grad);
+    const bool tangent = ag::isFwGradDefined(grad);
+    at::Tensor out;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      out = bwd_op().call(grad, mask, s...);
+    }
+    if (!needs && !tangent) return out;
+    const ActArgs a = args(s...);
+    auto strides = mask_strides(grad);
+    if (tangent) out._set_fw_grad(masked(grad._fw_grad(0), mask, grad.sym_sizes(), strides, a), 0, false);
+    if (needs) ag::set_history(out, make_node(grad, mask, grad.sym_sizes(), std::move(strides), a));
+    return out;
+  }
+
+  // --- registration -------------------------------------------------------------
+
+  static void define(torch::Library& m) {
+    const std::string n = Act::kName, a = Act::kSchemaArgs;
+    m.def((n + "(Tensor x" + a + ") -> Tensor").c_str());
+    m.def((n + "_(Tensor(a!) x" + a + ") -> ()").c_str());
+    m.def((n + "_fwd(Tensor x" + a + ") -> (Tensor, Tensor)").c_str());
+    m.def((n + "_fwd_(Tensor(a!) x" + a + ") -> Tensor").c_str());
+    m.def((n + "_bwd(Tensor grad, Tensor mask" + a + ") -> Tensor").c_str());
+  }
+
+  static void impl_kernels(torch::Library& m) {
+    const std::string n = Act::kName;
+    m.impl(n.c_str(), &kernel);
+    m.impl((n + "_").c_str(), &kernel_);
+    m.impl((n + "_fwd").c_str(), &fwd);
+    m.impl((n + "_fwd_").c_str(), &fwd_);
+    m.impl((n + "_bwd").c_str(), &bwd);
+  }
+
+  static void impl_autograd(torch::Library& m) {
+    const std::string n = Act::kName;
+    m.impl(n.c_str(), &pub_autograd);
+    m.impl((n + "_").c_str(), &pub_autograd_);
+    m.impl((n + "_fwd").c_str(), &fwd_autograd);
+    m.impl((n + "_fwd_").c_str(), &fwd_autograd_);
+    m.impl((n + "_bwd").c_str(), &bwd_autograd);
+  }
+
+  static void impl_views(torch::Library& m, c10::DispatchKey key) {
+    const std::string n = Act::kName;
+    if (key == c10::DispatchKey::ADInplaceOrView) {
+      m.impl((n + "_").c_str(), &inplace_view);
+      m.impl((n + "_fwd_").c_str(), &fwd_inplace_view);
+    } else if (key == c10::DispatchKey::Functionalize) {
+      m.impl((n + "_").c_str(), &functionalize_);
+      m.impl((n + "_fwd_").c_str(), &fwd_functionalize_);
+    } else {
+      m.impl((n + "_").c_str(), &trace_);
+    }
+  }
+
+  // --- compiled autograd ------------------------------------------------------------
+
+  static variable_list apply_functional(const variable_list& grads, bool needs, const at::Tensor& mask,
+                                        const std::vector<c10::SymInt>& sizes,
+                                        const std::vector<c10::SymInt>& strides, const ActArgs& a, bool refused) {
+    TORCH_CHECK(!refused, kLeakyInplaceError);
+    variable_list out(1);
+    if (needs && grads[0].defined()) out[0] = masked(grads[0], mask, sizes, strides, a);
+    return out;
+  }
+
+  static variable_list apply_functional_ivalue(const variable_list& grads, const ag::ivalue_list& packed_args) {
+    auto packed = torch::dynamo::autograd::PackedArgs(packed_args);
+    const auto needs = packed.unpack<bool>();
+    const auto mask = packed.unpack<at::Tensor>();
+    const auto sizes = packed.unpack<std::vector<c10::SymInt>>();
+    const auto strides = packed.unpack<std::vector<c10::SymInt>>();
+    ActArgs a;
+    a[0] = packed.unpack<c10::Scalar>();
+    a[1] = packed.unpack<c10::Scalar>();
+    const auto refused = packed.unpack<bool>();
+    return apply_functional(grads, needs, mask, sizes, strides, a, refused);
+  }
+};
+
+}  // namespace
+
+// --- the node ---------------------------------------------------------------------
+
+template <typename Act>
+variable_list MaskBackward<Act>::apply(variable_list&& grads) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  const at::Tensor mask = mask_.unpack();  // raises PyTorch's error after the mask was released
+  return Family<Act>::apply_functional(grads, task_should_compute_output(0), mask, sizes_, strides_, args_,
+                                       inplace_error_);
+}
+
+template <typename Act>
+void MaskBackward<Act>::release_variables() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  mask_.reset_data();
+}
+
+template <typename Act>
+void MaskBackward<Act>::compiled_args(ag::CompiledNodeArgs& args) const {
+  args.collect(mask_, /*is_output=*/false);
+  args.collect(sizes_);
+  args.collect(strides_);
+  args.collect(args_[0]);
+  args.collect(args_[1]);
+  args.collect(inplace_error_);
+}
+
+template <typename Act>
+variable_list MaskBackward<Act>::apply_with_saved(const variable_list& grads, ag::SwapSavedVariables& saved) {
+  namespace ca = torch::dynamo::autograd;
+  saved.before(mask_);
+  saved.before(sizes_);
+  saved.before(strides_);
+  const auto& py = ca::getPyCompilerInterface();
+  static bool bound = false;
+  if (!bound) {
+    bound = true;
+    std::vector<at::TypePtr> schema = {
+        ca::IValuePacker<bool>::packed_type(), ca::IValuePacker<at::Tensor>::packed_type(),
+        ca::IValuePacker<std::vector<c10::SymInt>>::packed_type(),
+        ca::IValuePacker<std::vector<c10::SymInt>>::packed_type(), ca::IValuePacker<c10::Scalar>::packed_type(),
+        ca::IValuePacker<c10::Scalar>::packed_type(), ca::IValuePacker<bool>::packed_type()};
+    py->bind_function(saved.get_py_compiler(), name(), &Family<Act>::apply_functional_ivalue, schema);
+  }
+  ca::PackedArgs packed;
+  packed.pack(task_should_compute_output(0));
+  packed.pack(mask_.unpack());
+  packed.pack(sizes_);
+  packed.pack(strides_);
+  packed.pack(args_[0]);
+  packed.pack(args_[1]);
+  packed.pack(inplace_error_);
+  const auto output_metadata =
+      ca::IValuePacker<std::vector<std::optional<ag::InputMetadata>>>::pack(ca::get_input_metadata(next_edges()));
+  auto result = py->call_function(saved.get_py_compiler(), "apply_functional", name(), grads,
+                                  std::move(packed).vec(), output_metadata);
+  saved.after(mask_);
+  saved.after(sizes_);
+  saved.after(strides_);
+  return result;
+}
+
+template <typename Act>
+at::Tensor act_kernel(const at::Tensor& x, const ActArgs& a) {
+  return Family<Act>::forward_new(x, nullptr, a);
+}
+
+template <typename Act>
+void act_kernel_(at::Tensor& x, const ActArgs& a) {
+  Family<Act>::forward_inplace(x, nullptr, a);
+}
+
+template <typename Act>
+at::Tensor act_autograd(const at::Tensor& x, const ActArgs& a) {
+  return Family<Act>::autograd(x, a);
+}
+
+template <typename Act>
+void act_autograd_(at::Tensor& x, const ActArgs& a) {
+  Family<Act>::autograd_(x, a);
+}
+
+#define RELU_EXT_INSTANTIATE(Act)                                         \
+  template struct MaskBackward<Act>;                                      \
+  template at::Tensor act_kernel<Act>(const at::Tensor&, const ActArgs&); \
+  template void act_kernel_<Act>(at::Tensor&, const ActArgs&);            \
+  template at::Tensor act_autograd<Act>(const at::Tensor&, const ActArgs&); \
+  template void act_autograd_<Act>(at::Tensor&, const ActArgs&);
+RELU_EXT_FAMILY(RELU_EXT_INSTANTIATE)
+#undef RELU_EXT_INSTANTIATE
+
+TORCH_LIBRARY_FRAGMENT(relu_ext, m) {
+#define X(Act) Family<Act>::define(m);
+  RELU_EXT_FAMILY(X)
+#undef X
+}
+
+// The wrappers pick CPU or CUDA kernels from the tensor's device (and say so
+// in a build without CUDA kernels), so both keys share them.
+TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
+#define X(Act) Family<Act>::impl_kernels(m);
+  RELU_EXT_FAMILY(X)
+#undef X
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
+#define X(Act) Family<Act>::impl_kernels(m);
+  RELU_EXT_FAMILY(X)
+#undef X
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, Autograd, m) {
+#define X(Act) Family<Act>::impl_autograd(m);
+  RELU_EXT_FAMILY(X)
+#undef X
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, ADInplaceOrView, m) {
+#define X(Act) Family<Act>::impl_views(m, c10::DispatchKey::ADInplaceOrView);
+  RELU_EXT_FAMILY(X)
+#undef X
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, Functionalize, m) {
+#define X(Act) Family<Act>::impl_views(m, c10::DispatchKey::Functionalize);
+  RELU_EXT_FAMILY(X)
+#undef X
+}
+
+TORCH_LIBRARY_IMPL(relu_ext, Tracer, m) {
+#define X(Act) Family<Act>::impl_views(m, c10::DispatchKey::Tracer);
+  RELU_EXT_FAMILY(X)
+#undef X
+}
+
+}  // namespace relu_ext

@@ -1,0 +1,204 @@
+"""The family beyond ReLU: ``hardtanh`` / ``relu6``, ``leaky_relu``, ``threshold``, ``hardsigmoid``.
+
+Each is a drop-in for its ``torch.nn.functional`` twin (same signature, values
+and gradients) and each module subclasses its ``torch.nn`` class. PyTorch's
+own backward keeps the activation's *input* for these (a full tensor no other
+layer holds); relu_ext's keeps a 1-bit mask instead. The op list is
+:data:`ACTIVATIONS`, declared once (the C++ side: ``csrc/activations.h``);
+fake kernels, vmap rules, exporters, ``install()``, ``convert()`` and
+``save_compact()`` are generated from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (loads the native library: the ops must exist first)
+
+_ops = torch.ops.relu_ext
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One entry of the activation table.
+
+    Attributes:
+        name: the op's name (``relu_ext::<name>``, PyTorch's ``aten::<name>``).
+        params: its Scalar arguments, in schema order.
+        node: relu_ext's backward node (``grad_fn.name()``).
+        torch_node: PyTorch's backward node of the out-of-place op.
+        modules: the ``torch.nn`` classes ``convert()`` replaces, with relu_ext's own.
+        zeros: given the op's arguments, whether its outputs are mostly zeros,
+            so that ``save_compact()`` compacts them where later layers keep them.
+    """
+
+    name: str
+    params: tuple[str, ...]
+    node: str
+    torch_node: str
+    modules: tuple[tuple[type, type], ...]
+    zeros: Callable[[tuple[float, ...]], bool]
+
+
+def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Tensor:
+    """Drop-in for ``torch.nn.functional.hardtanh``: ``clamp(input, min_val, max_val)``.
+
+    Backward keeps a 1-bit mask (``min_val < x < max_val``) instead of the input.
+
+    Args:
+        input: the tensor.
+        min_val: the lower bound. Default: -1.
+        max_val: the upper bound. Default: 1.
+        inplace: overwrite ``input``.
+
+    Returns:
+        The clamped tensor (``input`` itself when ``inplace``).
+
+    Example:
+        >>> relu_ext.hardtanh(torch.tensor([-2.0, 0.5, 3.0]))
+        tensor([-1.0000,  0.5000,  1.0000])
+    """
+    if min_val > max_val:
+        raise ValueError("min_val cannot be greater than max_val")
+    if inplace:
+        _ops.hardtanh_(input, min_val, max_val)
+        return input
+    return _ops.hardtanh(input, min_val, max_val)
+
+
+def relu6(input: Tensor, inplace: bool = False) -> Tensor:
+    """Drop-in for ``torch.nn.functional.relu6``: ``hardtanh(input, 0, 6)``.
+
+    Args:
+        input: the tensor.
+        inplace: overwrite ``input``.
+
+    Returns:
+        ``min(max(input, 0), 6)`` (``input`` itself when ``inplace``).
+
+    Example:
+        >>> relu_ext.relu6(torch.tensor([-1.0, 3.0, 7.0]))
+        tensor([0., 3., 6.])
+    """
+    return hardtanh(input, 0.0, 6.0, inplace)
+
+
+def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    """Drop-in for ``torch.nn.functional.leaky_relu``: ``x > 0 ? x : x * negative_slope``.
+
+    Backward keeps a 1-bit mask (``x > 0``) instead of the input. As in PyTorch,
+    the backward of the in-place form raises for a negative slope.
+
+    Args:
+        input: the tensor.
+        negative_slope: the slope below 0. Default: 0.01.
+        inplace: overwrite ``input``.
+
+    Returns:
+        The activation (``input`` itself when ``inplace``).
+
+    Example:
+        >>> relu_ext.leaky_relu(torch.tensor([-2.0, 3.0]), 0.1)
+        tensor([-0.2000,  3.0000])
+    """
+    if inplace:
+        _ops.leaky_relu_(input, negative_slope)
+        return input
+    return _ops.leaky_relu(input, negative_slope)
+
+
+def threshold(input: Tensor, threshold: float, value: float, inplace: bool = False) -> Tensor:
+    """Drop-in for ``torch.nn.functional.threshold``: ``x <= threshold ? value : x``.
+
+    Backward keeps a 1-bit mask (``x > threshold``) instead of the input.
+
+    Args:
+        input: the tensor.
+        threshold: the value to threshold at.
+        value: the value that replaces what is not above it.
+        inplace: overwrite ``input``.
+
+    Returns:
+        The thresholded tensor (``input`` itself when ``inplace``).
+
+    Example:
+        >>> relu_ext.threshold(torch.tensor([0.5, 2.0]), 1.0, 0.0)
+        tensor([0., 2.])
+    """
+    if inplace:
+        _ops.threshold_(input, threshold, value)
+        return input
+    return _ops.threshold(input, threshold, value)
+
+
+def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
+    """Drop-in for ``torch.nn.functional.hardsigmoid``: ``min(max(x + 3, 0), 6) / 6``.
+
+    Backward keeps a 1-bit mask (``-3 < x < 3``) instead of the input.
+
+    Args:
+        input: the tensor.
+        inplace: overwrite ``input``.
+
+    Returns:
+        The activation (``input`` itself when ``inplace``).
+
+    Example:
+        >>> relu_ext.hardsigmoid(torch.tensor([-4.0, 0.0, 4.0]))
+        tensor([0.0000, 0.5000, 1.0000])
+    """
+    if inplace:
+        _ops.hardsigmoid_(input)
+        return input
+    return _ops.hardsigmoid(input)
+
+
+class Hardtanh(torch.nn.Hardtanh):
+    """Drop-in for ``torch.nn.Hardtanh`` (a subclass: same constructor, repr, state_dict)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return hardtanh(input, self.min_val, self.max_val, self.inplace)
+
+
+class ReLU6(torch.nn.ReLU6):
+    """Drop-in for ``torch.nn.ReLU6`` (a subclass: same constructor, repr, state_dict)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return hardtanh(input, self.min_val, self.max_val, self.inplace)
+
+
+class LeakyReLU(torch.nn.LeakyReLU):
+    """Drop-in for ``torch.nn.LeakyReLU`` (a subclass: same constructor, repr, state_dict)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return leaky_relu(input, self.negative_slope, self.inplace)
+
+
+class Threshold(torch.nn.Threshold):
+    """Drop-in for ``torch.nn.Threshold`` (a subclass: same constructor, repr, state_dict)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return threshold(input, self.threshold, self.value, self.inplace)
+
+
+class Hardsigmoid(torch.nn.Hardsigmoid):
+    """Drop-in for ``torch.nn.Hardsigmoid`` (a subclass: same constructor, repr, state_dict)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return hardsigmoid(input, self.inplace)
+
+
+ACTIVATIONS: tuple[Activation, ...] = (
+    Activation("hardtanh", ("min_val", "max_val"), "HardtanhExtBackward0", "HardtanhBackward0",
+               ((torch.nn.Hardtanh, Hardtanh), (torch.nn.ReLU6, ReLU6)), lambda a: a[0] == 0),
+    Activation("leaky_relu", ("negative_slope",), "LeakyReluExtBackward0", "LeakyReluBackward0",
+               ((torch.nn.LeakyReLU, LeakyReLU),), lambda a: False),
+    Activation("threshold", ("threshold", "value"), "ThresholdExtBackward0", "ThresholdBackward0",
+               ((torch.nn.Threshold, Threshold),), lambda a: a[1] == 0),
+    Activation("hardsigmoid", (), "HardsigmoidExtBackward0", "HardsigmoidBackward0",
+               ((torch.nn.Hardsigmoid, Hardsigmoid),), lambda a: True),
+)

@@ -1,0 +1,581 @@
+"""The family (hardtanh / relu6, leaky_relu, threshold, hardsigmoid) against PyTorch, bit for bit,
+and the batteries ReLU passes, run as one table over the ops."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
+
+import relu_ext
+from conftest import DEVICES, DTYPES, INT_OF, adversarial, bits, layouts
+
+ops = torch.ops.relu_ext
+
+# (id, relu_ext function, PyTorch function, op name, Scalar arguments, torch.nn class and its arguments)
+CASES: list[tuple[str, Callable, Callable, str, tuple, type, tuple]] = [
+    ("hardtanh", relu_ext.hardtanh, F.hardtanh, "hardtanh", (-1.0, 1.0), torch.nn.Hardtanh, ()),
+    ("relu6", lambda t, inplace=False: relu_ext.relu6(t, inplace), lambda t, inplace=False: F.relu6(t, inplace),
+     "hardtanh", (0.0, 6.0), torch.nn.ReLU6, ()),
+    ("hardtanh_min_eq_max", relu_ext.hardtanh, F.hardtanh, "hardtanh", (0.5, 0.5), torch.nn.Hardtanh, (0.5, 0.5)),
+    ("hardtanh_odd", relu_ext.hardtanh, F.hardtanh, "hardtanh", (-2.5, 3.0), torch.nn.Hardtanh, (-2.5, 3.0)),
+    ("hardtanh_inexact", relu_ext.hardtanh, F.hardtanh, "hardtanh", (-0.1, 0.7), torch.nn.Hardtanh, (-0.1, 0.7)),
+    ("leaky", relu_ext.leaky_relu, F.leaky_relu, "leaky_relu", (0.01,), torch.nn.LeakyReLU, ()),
+    ("leaky_zero_slope", relu_ext.leaky_relu, F.leaky_relu, "leaky_relu", (0.0,), torch.nn.LeakyReLU, (0.0,)),
+    ("leaky_steep", relu_ext.leaky_relu, F.leaky_relu, "leaky_relu", (1.5,), torch.nn.LeakyReLU, (1.5,)),
+    ("leaky_negative", relu_ext.leaky_relu, F.leaky_relu, "leaky_relu", (-0.3,), torch.nn.LeakyReLU, (-0.3,)),
+    ("threshold", relu_ext.threshold, F.threshold, "threshold", (0.0, 0.0), torch.nn.Threshold, (0.0, 0.0)),
+    ("threshold_odd", relu_ext.threshold, F.threshold, "threshold", (0.1, 20.0), torch.nn.Threshold, (0.1, 20.0)),
+    ("threshold_nan_value", relu_ext.threshold, F.threshold, "threshold", (-1.0, float("nan")), torch.nn.Threshold,
+     (-1.0, float("nan"))),
+    ("hardsigmoid", relu_ext.hardsigmoid, F.hardsigmoid, "hardsigmoid", (), torch.nn.Hardsigmoid, ()),
+]
+CASE_IDS = [c[0] for c in CASES]
+BY_ID = {c[0]: c for c in CASES}
+
+
+def _call(fn: Callable, x: torch.Tensor, args: tuple, inplace: bool = False) -> torch.Tensor:
+    if fn in (relu_ext.relu6,) or "relu6" in getattr(fn, "__qualname__", ""):
+        return fn(x, inplace)
+    return fn(x, *args, inplace=inplace) if args or fn not in (relu_ext.hardsigmoid, F.hardsigmoid) else fn(x, inplace=inplace)
+
+
+def _run(case: tuple, impl: str, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    _, ours, theirs, _, args, _, _ = case
+    fn = ours if impl == "relu_ext" else theirs
+    if case[0] == "relu6":
+        return fn(x, inplace=inplace)
+    if case[0] == "hardsigmoid":
+        return fn(x, inplace=inplace)
+    return fn(x, *args, inplace=inplace)
+
+
+def _with_edges(x: torch.Tensor, args: tuple) -> torch.Tensor:
+    """`x` with the op's thresholds (and ±3, hardsigmoid's) written exactly at every 5th element."""
+    edges = [a for a in args if a == a] + [3.0, -3.0, 0.0, -0.0]
+    vals = torch.tensor(edges, dtype=torch.float64).to(x.dtype).to(x.device)
+    x = x.clone()
+    k = x[::5].numel()
+    if k:
+        x[::5] = vals.repeat(k // len(edges) + 1)[:k]
+    return x
+
+
+def _assert_family_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str, x: torch.Tensor | None = None,
+                         nan_input_grad: torch.Tensor | None = None) -> None:
+    """Bit for bit, except: a NaN only has to meet a NaN (PyTorch's vectorized CPU
+    loops rewrite NaN payloads, its scalar tail keeps them); and where `x` is NaN,
+    the gradient must be `nan_input_grad` (relu_ext follows PyTorch's scalar
+    predicate there, which its vectorized hardtanh backward does not)."""
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype and ours.stride() == theirs.stride(), what
+    a, e = bits(ours), bits(theirs)
+    both_nan = (ours.isnan() & theirs.isnan()).contiguous()
+    a, e = a.masked_fill(both_nan, 0), e.masked_fill(both_nan, 0)
+    if x is not None and nan_input_grad is not None:
+        at_nan = x.isnan().contiguous()
+        want = nan_input_grad.detach()
+        same = (bits(ours) == bits(want)) | (ours.isnan() & want.isnan()).contiguous()
+        assert bool(same[at_nan].all()), f"{what}: gradient at NaN inputs"
+        a, e = a.masked_fill(at_nan, 0), e.masked_fill(at_nan, 0)
+    diff = (a != e).flatten().nonzero()
+    if diff.numel():
+        i = diff[0].item()
+        raise AssertionError(f"{what}: {diff.numel()} of {a.numel()} differ; first at {i}: got "
+                             f"{ours.flatten()[i].item()!r}, want {theirs.flatten()[i].item()!r}")
+
+
+def _grad_at_nan(case: tuple, g: torch.Tensor) -> torch.Tensor | None:
+    """hardtanh: PyTorch's scalar predicate !(x <= min || x >= max) passes g at a NaN input."""
+    return g if case[3] == "hardtanh" else None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 63, 65, 4097, 100_003])
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_bitwise_against_pytorch(case, n, dtype, device, cpu_isa):
+    c = BY_ID[case]
+    x = _with_edges(adversarial(n, dtype, device, seed=n), c[4])
+    for name, v in layouts(x).items():
+        _assert_family_equal(_run(c, "relu_ext", v), _run(c, "torch", v), f"forward {name}")
+        g = adversarial(v.numel(), dtype, device, seed=n + 1).view(v.shape)
+        a, b = v.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
+        _run(c, "relu_ext", a).backward(g)
+        _run(c, "torch", b).backward(g)
+        _assert_family_equal(a.grad, b.grad, f"gradient {name}", v, _grad_at_nan(c, g))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [c for c in CASE_IDS if c != "leaky_negative"])
+def test_inplace_bitwise_against_pytorch(case, dtype, device, cpu_isa):
+    c = BY_ID[case]
+    base = _with_edges(adversarial(4097, dtype, device, seed=3), c[4])
+    for name in layouts(base):
+        la, lb = base.clone().requires_grad_(), base.clone().requires_grad_()
+        va, vb = layouts(la * 1)[name], layouts(lb * 1)[name]
+        ya, yb = _run(c, "relu_ext", va, inplace=True), _run(c, "torch", vb, inplace=True)
+        assert ya is va
+        _assert_family_equal(ya, yb, f"in-place forward {name}")
+        g = adversarial(ya.numel(), dtype, device, seed=5).view(ya.shape)
+        ya.backward(g)
+        yb.backward(g)
+        src = layouts(base)[name]
+        _assert_family_equal(layouts(la.grad)[name], layouts(lb.grad)[name], f"in-place gradient {name}", src,
+                             _grad_at_nan(c, g))
+        vc = layouts(base.clone())[name]
+        vd = layouts(base.clone())[name]
+        with torch.no_grad():
+            _run(c, "relu_ext", vc, inplace=True)
+            _run(c, "torch", vd, inplace=True)
+        _assert_family_equal(vc, vd, f"in-place no-grad {name}")
+
+
+def test_leaky_inplace_negative_slope_raises_at_backward_as_pytorch():
+    x = torch.randn(8, requires_grad=True)
+    for fn in (F.leaky_relu, relu_ext.leaky_relu):
+        y = fn(x * 1, -0.1, inplace=True)  # the forward works
+        with pytest.raises(RuntimeError, match="In-place leakyReLu backward calculation is triggered with a negative slope"):
+            y.sum().backward()
+    with fwAD.dual_level():
+        for fn in (F.leaky_relu, relu_ext.leaky_relu):
+            with pytest.raises(RuntimeError, match="negative slope"):
+                fn(fwAD.make_dual(torch.randn(4), torch.ones(4)) * 1, -0.1, inplace=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8], ids=str)
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_integer_dtypes_like_pytorch(case, dtype):
+    """Where PyTorch takes integers (hardtanh, threshold) the same values; where it
+    refuses them (leaky_relu, hardsigmoid) the same error."""
+    c = BY_ID[case]
+    info = torch.iinfo(dtype)
+    x = torch.randint(info.min, info.max, (333,), dtype=torch.int64, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+    def outcome(impl: str, inplace: bool) -> Any:
+        v = x.clone()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return ("value", _run(c, impl, v, inplace).tolist(), v.tolist())
+        except Exception as e:  # noqa: BLE001  (PyTorch's own error is the expected answer)
+            return ("error", type(e), str(e).splitlines()[0])
+
+    for inplace in (False, True):
+        assert outcome("relu_ext", inplace) == outcome("torch", inplace)
+
+
+def test_hardtanh_min_above_max_raises_like_pytorch():
+    for fn in (F.hardtanh, relu_ext.hardtanh):
+        with pytest.raises(ValueError, match="min_val cannot be greater than max_val"):
+            fn(torch.randn(3), 2.0, 1.0)
+
+
+def test_half_overflow_of_the_value_raises_like_pytorch():
+    x = torch.randn(10, dtype=torch.float16)
+    with pytest.raises(RuntimeError) as theirs:
+        F.threshold(x, 0.0, 1e10)
+    with pytest.raises(RuntimeError) as ours:
+        relu_ext.threshold(x, 0.0, 1e10)
+    assert "cannot be converted to type" in str(theirs.value) and "cannot be converted to type" in str(ours.value)
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_only_the_mask_is_saved(case):
+    c = BY_ID[case]
+    saved: list[torch.Tensor] = []
+    x = torch.randn(1000, 37, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = _run(c, "relu_ext", x * 1)
+    ours = [t for t in saved if t.numel() * t.element_size() >= 1000]
+    assert len(ours) == 1 and ours[0].dtype == torch.uint8 and ours[0].numel() == (x.numel() + 7) // 8, saved
+    assert y.grad_fn.name() == {"hardtanh": "HardtanhExtBackward0", "leaky_relu": "LeakyReluExtBackward0",
+                                "threshold": "ThresholdExtBackward0", "hardsigmoid": "HardsigmoidExtBackward0"}[c[3]]
+    assert torch.equal(y.grad_fn._saved_mask, saved[-1] if saved[-1].dtype == torch.uint8 else ours[0])
+
+
+def test_modules_are_drop_in_subclasses():
+    for theirs, ours, args in [(torch.nn.ReLU6, relu_ext.ReLU6, ()), (torch.nn.Hardtanh, relu_ext.Hardtanh, (-2.0, 2.0)),
+                               (torch.nn.LeakyReLU, relu_ext.LeakyReLU, (0.2, True)),
+                               (torch.nn.Threshold, relu_ext.Threshold, (0.1, 20.0)),
+                               (torch.nn.Hardsigmoid, relu_ext.Hardsigmoid, ())]:
+        a, b = theirs(*args), ours(*args)
+        assert isinstance(b, theirs) and repr(a) == repr(b) and a.state_dict() == b.state_dict()
+        x = torch.randn(50)
+        assert torch.equal(a(x.clone()), b(x.clone()))
+
+
+def test_convert_and_revert_swap_every_family_module():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.ReLU6(inplace=True),
+                                torch.nn.LeakyReLU(0.1), torch.nn.Hardtanh(-2.0, 2.0), torch.nn.Threshold(0.1, 0.0),
+                                torch.nn.Hardsigmoid(), torch.nn.ReLU(), torch.nn.GELU()).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 5, 5)
+    ref = model(x)
+    relu_ext.convert(model)
+    kinds = [type(m) for m in model]
+    assert kinds[2:8] == [relu_ext.ReLU6, relu_ext.LeakyReLU, relu_ext.Hardtanh, relu_ext.Threshold,
+                          relu_ext.Hardsigmoid, relu_ext.ReLU] and kinds[8] is torch.nn.GELU
+    assert model[2].inplace and model[3].negative_slope == 0.1 and model[4].min_val == -2.0
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert torch.equal(model(x), ref)
+    relu_ext.revert(model)
+    assert [type(m) for m in model][2:8] == [torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.Hardtanh, torch.nn.Threshold,
+                                             torch.nn.Hardsigmoid, torch.nn.ReLU]
+
+
+# --- the batteries, one table over the ops -------------------------------------------------
+
+
+def _kinkless(shape: tuple[int, ...], args: tuple, seed: int = 0) -> torch.Tensor:
+    """float64 away from every kink of the ops (finite differences need that)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 4
+    kinks = torch.tensor([a for a in args if a == a] + [0.0, 3.0, -3.0], dtype=torch.float64)
+    near = (x.unsqueeze(-1) - kinks).abs().min(-1).values < 0.05
+    return torch.where(near, x + 0.2, x)
+
+
+FUNC_CASES = [c for c in CASE_IDS if c not in ("threshold_nan_value",)]
+
+
+def _fn(case: str, impl: str, inplace: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    c = BY_ID[case]
+    if inplace:
+        return lambda t: _run(c, impl, t * 1, inplace=True)
+    return lambda t: _run(c, impl, t)
+
+
+@pytest.mark.parametrize("case", FUNC_CASES)
+def test_gradcheck_and_gradgradcheck(case):
+    x = _kinkless((5, 7), BY_ID[case][4]).requires_grad_()
+    for inplace in (False, True):
+        if inplace and case == "leaky_negative":
+            continue
+        assert torch.autograd.gradcheck(_fn(case, "relu_ext", inplace), (x,))
+        assert torch.autograd.gradgradcheck(_fn(case, "relu_ext", inplace), (x,))
+
+
+TRANSFORMS: dict[str, Callable[[Callable, torch.Tensor], Any]] = {
+    "grad": lambda f, x: grad(lambda t: (f(t) * t.sin()).sum())(x),
+    "vjp": lambda f, x: vjp(f, x)[1](x.cos()),
+    "jacrev": lambda f, x: jacrev(f)(x[0]),
+    "jacfwd": lambda f, x: jacfwd(f)(x[0]),
+    "jvp": lambda f, x: jvp(f, (x,), (x.cos(),)),
+    "vmap": lambda f, x: vmap(f)(x),
+    "vmap_of_grad": lambda f, x: vmap(grad(lambda t: (f(t) * t.sin()).sum()))(x),
+    "grad_of_grad": lambda f, x: grad(lambda t: grad(lambda u: (f(u) * u.sin()).sum())(t).sum())(x),
+}
+
+
+def _same(a: Any, b: Any, what: str) -> None:
+    if isinstance(b, torch.Tensor):
+        assert torch.equal(bits(a), bits(b)), what
+    else:
+        for i, (p, q) in enumerate(zip(a, b)):
+            _same(p, q, f"{what}[{i}]")
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("case", FUNC_CASES)
+def test_torch_func_matches_pytorch(case, transform):
+    x = _kinkless((4, 6), BY_ID[case][4])
+    for inplace in (False, True):
+        if inplace and case == "leaky_negative":
+            continue  # PyTorch refuses its backward (test_leaky_inplace_negative_slope_raises_...)
+        try:
+            want = TRANSFORMS[transform](_fn(case, "torch", inplace), x)
+        except RuntimeError as e:
+            # PyTorch has no double backward for hardsigmoid; relu_ext's backward is linear in grad, so it has one.
+            assert "derivative for aten::hardsigmoid_backward is not implemented" in str(e)
+            continue
+        got = TRANSFORMS[transform](_fn(case, "relu_ext", inplace), x)
+        if transform == "grad_of_grad":
+            # PyTorch's double backward adds a zero gradient for the input
+            # (e.g. leaky_relu_backward's `self: zeros_like(grad)`), which turns
+            # a -0.0 into +0.0; relu_ext's mask has no such term. Values agree.
+            got, want = got + 0.0, want + 0.0
+        _same(got, want, transform)
+
+
+@pytest.mark.parametrize("case", FUNC_CASES)
+def test_forward_ad_matches_pytorch(case):
+    x = _kinkless((4, 6), BY_ID[case][4])
+    t = x.cos()
+    out = {}
+    for impl in ("relu_ext", "torch"):
+        with fwAD.dual_level():
+            out[impl] = fwAD.unpack_dual(_fn(case, impl)(fwAD.make_dual(x, t))).tangent
+    _same(out["relu_ext"], out["torch"], "tangent")
+
+
+@pytest.mark.parametrize("case", FUNC_CASES)
+def test_opcheck(case):
+    c = BY_ID[case]
+    name, args = c[3], c[4]
+    x = torch.randn(4, 3, 5, 7).contiguous(memory_format=torch.channels_last)
+    torch.library.opcheck(getattr(ops, name).default, (x, *args))
+    torch.library.opcheck(getattr(ops, f"{name}_").default, (x.clone(), *args))
+    torch.library.opcheck(getattr(ops, f"{name}_fwd").default, (x.clone().requires_grad_(), *args))
+    torch.library.opcheck(getattr(ops, f"{name}_fwd_").default, (x.clone(), *args))
+    y, mask = getattr(ops, f"{name}_fwd")(x, *args)
+    g = torch.empty_like(y).copy_(torch.randn(x.shape))
+    torch.library.opcheck(getattr(ops, f"{name}_bwd").default, (g.requires_grad_(), mask, *args))
+
+
+def _net(case: str, impl: str) -> torch.nn.Module:
+    c = BY_ID[case]
+    torch.manual_seed(0)
+    act = (lambda: relu_ext.convert(c[5](*c[6]))) if impl == "relu_ext" else (lambda: c[5](*c[6]))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), act(), torch.nn.Linear(16, 8), act(), torch.nn.Linear(8, 2))
+
+
+def _step(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    params = list(getattr(model, "_orig_mod", model).parameters())
+    for p in params:
+        p.grad = None
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in params]
+
+
+def _same_step(a: tuple, b: tuple) -> None:
+    _same(a[0], b[0], "output")
+    _same(a[1], b[1], "gradients")
+
+
+NET_CASES = ["relu6", "hardtanh_odd", "leaky", "threshold_odd", "hardsigmoid"]
+
+
+@pytest.mark.parametrize("case", NET_CASES)
+def test_compile_matches_eager(case):
+    x = torch.randn(5, 8)
+    ref = _step(_net(case, "torch"), x)
+    torch._dynamo.reset()
+    _same_step(_step(torch.compile(_net(case, "relu_ext"), backend="aot_eager", fullgraph=True), x), ref)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated")
+@pytest.mark.parametrize("case", NET_CASES)
+def test_torchscript_script_trace_and_save(case):
+    x = torch.randn(5, 8)
+    ref = _step(_net(case, "torch"), x)
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(_net(case, "relu_ext")), buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    assert f"relu_ext::{BY_ID[case][3]}" in str(loaded.inlined_graph)
+    _same_step(_step(loaded, x), ref)
+    _same_step(_step(torch.jit.trace(_net(case, "relu_ext"), (x,)), x), ref)
+
+
+@pytest.mark.parametrize("case", NET_CASES)
+def test_export_and_lowering(case):
+    x = torch.randn(5, 8)
+    ep = torch.export.export(_net(case, "relu_ext"), (x,))
+    assert any(str(n.target).startswith("relu_ext.") for n in ep.graph.nodes)
+    _same_step(_step(ep.module(), x), _step(_net(case, "torch"), x))
+    lowered = ep.run_decompositions(relu_ext.aten_decompositions())
+    assert not any("relu_ext" in str(n.target) for n in lowered.graph.nodes), lowered.graph
+    assert torch.equal(lowered.module()(x), _net(case, "torch")(x))
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript_exporter", "dynamo_exporter"])
+@pytest.mark.parametrize("case", NET_CASES)
+def test_onnx_writes_standard_ops(case, dynamo, tmp_path):
+    """relu_ext's modules export as PyTorch's do: the same ONNX ops, or the same refusal."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    x = torch.randn(5, 8)
+
+    def export(impl: str) -> Any:
+        path = str(tmp_path / f"{impl}.onnx")
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if dynamo:
+                    torch.onnx.export(_net(case, impl).eval(), (x,), dynamo=True, verbose=False).save(path)
+                else:
+                    torch.onnx.export(_net(case, impl).eval(), (x,), path, dynamo=False)
+        except Exception as e:  # noqa: BLE001  (PyTorch's own refusal is the expected answer)
+            return type(e), str(e).splitlines()[0]
+        return path
+
+    ours, theirs = export("relu_ext"), export("torch")
+    if not isinstance(theirs, str):
+        assert ours == theirs
+        return
+    kinds = [n.op_type for n in onnx.load(ours).graph.node]
+    assert kinds == [n.op_type for n in onnx.load(theirs).graph.node], kinds
+    session = ort.InferenceSession(ours, providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(out), _net(case, "torch")(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("case", NET_CASES)
+def test_checkpointing(case, use_reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(5, 8, requires_grad=True)
+    res = {}
+    for impl in ("relu_ext", "torch"):
+        model = _net(case, impl)
+        out = checkpoint(model, x, use_reentrant=use_reentrant)
+        out.square().sum().backward()
+        res[impl] = (out.detach(), [p.grad for p in model.parameters()])
+    _same_step(res["relu_ext"], res["torch"])
+
+
+# --- install(): every way of calling the family reaches relu_ext ----------------------------
+
+
+@torch.jit.script
+def _scripted_relu6(t: torch.Tensor) -> torch.Tensor:
+    return F.relu6(t)
+
+
+ENTRY_POINTS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
+    "F.relu6": (F.relu6, "Hardtanh"),
+    "F.relu6-inplace": (lambda t: F.relu6(t, inplace=True), "Hardtanh"),
+    "nn.ReLU6": (torch.nn.ReLU6(), "Hardtanh"),
+    "nn.ReLU6-inplace": (torch.nn.ReLU6(inplace=True), "Hardtanh"),
+    "F.hardtanh": (lambda t: F.hardtanh(t, -0.5, 2.0), "Hardtanh"),
+    "torchscript-relu6": (_scripted_relu6, "Hardtanh"),
+    "F.leaky_relu": (lambda t: F.leaky_relu(t, 0.1), "LeakyRelu"),
+    "nn.LeakyReLU-inplace": (torch.nn.LeakyReLU(0.2, inplace=True), "LeakyRelu"),
+    "F.threshold": (lambda t: F.threshold(t, 0.1, 20.0), "Threshold"),
+    "torch.threshold_": (lambda t: torch.threshold_(t, 0.0, 0.0), "Threshold"),
+    "F.hardsigmoid": (F.hardsigmoid, "Hardsigmoid"),
+    "nn.Hardsigmoid-inplace": (torch.nn.Hardsigmoid(inplace=True), "Hardsigmoid"),
+}
+
+
+def _nodes(y: torch.Tensor) -> list[str]:
+    seen, names, todo = set(), [], [y.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(fn.name())
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@pytest.fixture
+def _pytorch_kernels_around():
+    relu_ext.uninstall()
+    yield
+    relu_ext.uninstall()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_install_reaches_every_entry_point(name, dtype, _pytorch_kernels_around):
+    fn, kind = ENTRY_POINTS[name]
+    x = adversarial(4097, dtype, seed=3)
+    g = adversarial(4097, dtype, seed=4)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf * 1)
+        nodes = _nodes(y)
+        y.backward(g)
+        return y.detach(), leaf.grad, nodes
+
+    ref_y, ref_g, ref_nodes = run()
+    with relu_ext.install():
+        y, gr, nodes = run()
+    assert f"{kind}ExtBackward0" in nodes and not any(n.startswith(kind + "Backward") for n in nodes), nodes
+    assert any(n.startswith(kind + "Backward") for n in ref_nodes), ref_nodes
+    _assert_family_equal(y, ref_y, f"{name} output")
+    _assert_family_equal(gr, ref_g, f"{name} gradient", x, g if kind == "Hardtanh" else None)
+    assert _nodes(fn(x.clone().requires_grad_() * 1)) == ref_nodes, "uninstalled: PyTorch's nodes again"
+
+
+def test_install_a_subset(_pytorch_kernels_around):
+    x = torch.randn(10, requires_grad=True)
+    with relu_ext.install(ops=["hardtanh"]) as hold:
+        assert hold.ops == ("hardtanh",) and relu_ext.installed("hardtanh") and not relu_ext.installed("relu")
+        assert F.relu6(x).grad_fn.name() == "HardtanhExtBackward0"
+        assert F.relu(x).grad_fn.name() == "ReluBackward0" and F.leaky_relu(x).grad_fn.name() == "LeakyReluBackward0"
+        with relu_ext.install("relu"):
+            assert F.relu(x).grad_fn.name() == "ReluExtBackward0"
+        assert F.relu(x).grad_fn.name() == "ReluBackward0" and relu_ext.installed("hardtanh")
+    assert not relu_ext.installed()
+    with pytest.raises(ValueError, match="unknown op.*'gelu'"):
+        relu_ext.install(ops=["gelu"])
+    assert set(relu_ext.install_targets()) == {"relu", "hardtanh", "leaky_relu", "threshold", "hardsigmoid"}
+
+
+def test_install_keeps_pytorchs_kernel_for_integers(_pytorch_kernels_around):
+    i = torch.arange(-5, 5)
+    ref = (F.relu6(i), F.hardtanh(i, -2, 3), F.threshold(i, 1, 7))
+    with relu_ext.install():
+        got = (F.relu6(i), F.hardtanh(i, -2, 3), F.threshold(i, 1, 7))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+# --- save_compact and real models ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["relu6", "threshold", "hardsigmoid"])
+def test_save_compact_restores_family_outputs_bitwise(case, _pytorch_kernels_around):
+    c = BY_ID[case]
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 4, 3)
+    x = _with_edges(adversarial(2 * 4 * 40 * 40, torch.float32, seed=1), c[4]).view(2, 4, 40, 40)
+    x = x.nan_to_num(1.0, 2.0, -2.0)  # finite: a NaN or inf would reach every gradient through the conv
+    results = []
+    for impl, ctx in (("torch", None), ("relu_ext", None), ("relu_ext", relu_ext.save_compact(min_saving=0.0)),
+                      ("torch", relu_ext.save_compact(min_saving=0.0))):
+        leaf = x.clone().requires_grad_()
+        conv.zero_grad()
+        made: list[Any] = []
+        if ctx is not None:
+            inner = ctx.pack_hook
+            ctx.pack_hook = lambda t: made.append(inner(t)) or made[-1]
+        with ctx if ctx is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            y = conv(_run(c, impl, leaf * 1))
+        y.square().sum().backward()
+        results.append([leaf.grad, conv.weight.grad.clone()])
+        if ctx is not None and impl == "relu_ext":  # PyTorch's ThresholdBackward0 does not keep `value`
+            assert any(type(m).__name__ == "Compacted" for m in made), f"{impl}: nothing was compacted"
+    for r in results[1:]:
+        _assert_family_equal(r[1], results[0][1], "weight gradient")
+        _assert_family_equal(r[0], results[0][0], "input gradient", x, results[0][0] if c[3] == "hardtanh" else None)
+
+
+def test_mobilenet_v2_holds_less_and_trains_bitwise(_pytorch_kernels_around):
+    tv = pytest.importorskip("torchvision")
+    from relu_ext.bench import real
+
+    torch.manual_seed(0)
+    model = tv.models.mobilenet_v2(weights=None).train()
+    x = torch.randn(2, 3, 64, 64)
+    held = {config: real.held_bytes(model, x, config) for config in ("nn.ReLU", "install", "install+compact")}
+    assert held["install"] <= 0.75 * held["nn.ReLU"], held
+    assert held["install+compact"] <= 0.65 * held["nn.ReLU"], held
+
+    def step(config: str) -> list[torch.Tensor]:
+        model.zero_grad()
+        torch.manual_seed(1)
+        with real.installing(config)(), relu_ext.save_compact() if real.compacting(config) else torch.enable_grad():
+            loss = real.loss_of(model, x)
+        with real.installing(config)():
+            loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    ref = step("nn.ReLU")
+    for config in ("install", "install+compact"):
+        for a, b in zip(step(config), ref):
+            assert torch.equal(bits(a), bits(b)), config
