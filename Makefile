@@ -16,7 +16,7 @@ PY := $(VENV)/bin/python
 export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 
 DEPS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) transformers==$(TRANSFORMERS_VERSION) \
-	ninja numpy pytest hypothesis matplotlib onnx onnxruntime onnxscript
+	ninja numpy pytest hypothesis expecttest matplotlib onnx onnxruntime onnxscript
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*) $(wildcard src/relu_ext/*.py src/relu_ext/bench/*.py)

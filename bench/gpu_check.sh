@@ -72,6 +72,11 @@ SANITIZER_TESTS=(
   "tests/test_compact.py::test_ops_against_a_reference[scalar-32769-torch.bfloat16-cuda]"
   "tests/test_compact.py::test_ops_keep_layouts[scalar-cuda]"
   "tests/test_compact.py::test_restored_bit_for_bit[relu_ext-torch.float64-cuda]"
+  "tests/test_family.py::test_bitwise_against_pytorch[scalar-relu6-4097-torch.float32-cuda]"
+  "tests/test_family.py::test_bitwise_against_pytorch[scalar-leaky-100003-torch.bfloat16-cuda]"
+  "tests/test_family.py::test_bitwise_against_pytorch[scalar-threshold_odd-65-torch.float16-cuda]"
+  "tests/test_family.py::test_bitwise_against_pytorch[scalar-hardsigmoid-63-torch.float64-cuda]"
+  "tests/test_family.py::test_inplace_bitwise_against_pytorch[scalar-hardtanh_odd-torch.float32-cuda]"
 )
 STEP_NAMES=(build test sanitize bench unroll)
 QUICK_BENCH_ARGS=(--sizes 65536,1048576,16777216,268435456 --what kernels,small --budget 0.2)

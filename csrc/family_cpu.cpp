@@ -4,6 +4,15 @@
 // own target, where the compiler vectorizes the trait's selects and
 // arithmetic; only packing the 64 mask bits of a block to a word, and back,
 // is written with each set's instructions.
+// The compiler may evaluate a compare on both arms of a select only when a
+// compare cannot trap; without this, GCC keeps the loops scalar ("control
+// flow in loop"). Set before any include, so that the traits' functions are
+// compiled alike and are inlined into the loops. It changes no result: nothing here reads FP exception flags
+// or enables their traps, and no arithmetic is reordered or contracted.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
 #include "activations.h"
 
 #include <ATen/Dispatch.h>
@@ -11,6 +20,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define FAMILY_X86 1
@@ -21,6 +31,7 @@
 
 #define FAMILY_INLINE inline __attribute__((always_inline))
 
+
 namespace relu_ext {
 namespace {
 
@@ -29,91 +40,159 @@ namespace {
 constexpr int64_t kBlock = 64;
 constexpr int64_t kGrainBlocks = 512;
 
-// The mask bits of a block, one byte (0 or 1) per element, to a word and back.
-template <int I>
-FAMILY_INLINE uint64_t pack(const uint8_t* k);
-template <int I>
-FAMILY_INLINE void unpack(uint64_t w, uint8_t* k);
-
-template <>
-FAMILY_INLINE uint64_t pack<kScalar>(const uint8_t* k) {
-  uint64_t w = 0;
-  for (int j = 0; j < kBlock; ++j) w |= uint64_t(k[j]) << j;
-  return w;
-}
-
-template <>
-FAMILY_INLINE void unpack<kScalar>(uint64_t w, uint8_t* k) {
-  for (int j = 0; j < kBlock; ++j) k[j] = (w >> j) & 1;
-}
+// The mask bits of a block as lanes of the elements' width (all ones or
+// zero: what vector compares give, so the element loop stays one width), to
+// a word and back.
+template <int I, typename U>
+struct Lanes {
+  static uint64_t pack(const U* k) {
+    uint64_t w = 0;
+    for (int j = 0; j < kBlock; ++j) w |= uint64_t(k[j] & 1) << j;
+    return w;
+  }
+  static void unpack(uint64_t w, U* k) {
+    for (int j = 0; j < kBlock; ++j) k[j] = ((w >> j) & 1) ? U(~U(0)) : U(0);
+  }
+};
 
 #ifdef FAMILY_X86
-FAMILY_AVX2 uint32_t pack32_avx2(const uint8_t* k) {
-  // A 0 / 1 byte shifted left by 7 puts the bit where movemask reads it.
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k));
-  return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7)));
-}
-
-FAMILY_AVX2 void unpack32_avx2(uint32_t w, uint8_t* k) {
-  // Byte j takes mask byte j / 8, then tests its bit j % 8.
-  const __m256i bytes = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(w)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(k), _mm256_and_si256(set, _mm256_set1_epi8(1)));
-}
-
-FAMILY_AVX512 uint64_t pack64_avx512(const uint8_t* k) {
-  const __m512i v = _mm512_loadu_si512(k);
-  return _mm512_test_epi8_mask(v, v);
-}
-
-FAMILY_AVX512 void unpack64_avx512(uint64_t w, uint8_t* k) {
-  _mm512_storeu_si512(k, _mm512_maskz_mov_epi8(w, _mm512_set1_epi8(1)));
-}
+FAMILY_AVX2 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+FAMILY_AVX2 inline void store256(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 
 template <>
-FAMILY_INLINE uint64_t pack<kAvx2>(const uint8_t* k) {
-  return uint64_t(pack32_avx2(k)) | (uint64_t(pack32_avx2(k + 32)) << 32);
-}
+struct Lanes<kAvx2, uint16_t> {
+  FAMILY_AVX2 static uint64_t pack(const uint16_t* k) {
+    uint64_t w = 0;
+    for (int v = 0; v < 4; ++v) {
+      const __m256i l = load256(k + 16 * v);  // saturating pack keeps 0 / -1 and the lane order
+      const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1));
+      w |= uint64_t(static_cast<uint32_t>(_mm_movemask_epi8(b))) << (16 * v);
+    }
+    return w;
+  }
+  FAMILY_AVX2 static void unpack(uint64_t w, uint16_t* k) {
+    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          static_cast<short>(0x8000));
+    for (int v = 0; v < 4; ++v) {
+      const __m256i bits = _mm256_set1_epi16(static_cast<short>(w >> (16 * v)));
+      store256(k + 16 * v, _mm256_cmpeq_epi16(_mm256_and_si256(bits, sel), sel));
+    }
+  }
+};
 
 template <>
-FAMILY_INLINE void unpack<kAvx2>(uint64_t w, uint8_t* k) {
-  unpack32_avx2(static_cast<uint32_t>(w), k);
-  unpack32_avx2(static_cast<uint32_t>(w >> 32), k + 32);
-}
+struct Lanes<kAvx2, uint32_t> {
+  FAMILY_AVX2 static uint64_t pack(const uint32_t* k) {
+    uint64_t w = 0;
+    for (int v = 0; v < 8; ++v) {
+      w |= uint64_t(static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(load256(k + 8 * v))))) << (8 * v);
+    }
+    return w;
+  }
+  FAMILY_AVX2 static void unpack(uint64_t w, uint32_t* k) {
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int v = 0; v < 8; ++v) {
+      const __m256i bits = _mm256_set1_epi32(static_cast<int>((w >> (8 * v)) & 0xFF));
+      store256(k + 8 * v, _mm256_cmpeq_epi32(_mm256_and_si256(bits, sel), sel));
+    }
+  }
+};
 
 template <>
-FAMILY_INLINE uint64_t pack<kAvx512>(const uint8_t* k) {
-  return pack64_avx512(k);
-}
+struct Lanes<kAvx2, uint64_t> {
+  FAMILY_AVX2 static uint64_t pack(const uint64_t* k) {
+    uint64_t w = 0;
+    for (int v = 0; v < 16; ++v) {
+      w |= uint64_t(static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(load256(k + 4 * v))))) << (4 * v);
+    }
+    return w;
+  }
+  FAMILY_AVX2 static void unpack(uint64_t w, uint64_t* k) {
+    const __m256i sel = _mm256_setr_epi64x(1, 2, 4, 8);
+    for (int v = 0; v < 16; ++v) {
+      const __m256i bits = _mm256_set1_epi64x(static_cast<long long>((w >> (4 * v)) & 0xF));
+      store256(k + 4 * v, _mm256_cmpeq_epi64(_mm256_and_si256(bits, sel), sel));
+    }
+  }
+};
+
+// AVX-512: a test against itself is the lanes' mask; a zero-masked move of
+// all ones is the way back.
+template <>
+struct Lanes<kAvx512, uint16_t> {
+  FAMILY_AVX512 static uint64_t pack(const uint16_t* k) {
+    const __m512i a = _mm512_loadu_si512(k), b = _mm512_loadu_si512(k + 32);
+    return uint64_t(_mm512_test_epi16_mask(a, a)) | (uint64_t(_mm512_test_epi16_mask(b, b)) << 32);
+  }
+  FAMILY_AVX512 static void unpack(uint64_t w, uint16_t* k) {
+    _mm512_storeu_si512(k, _mm512_maskz_mov_epi16(__mmask32(w), _mm512_set1_epi16(-1)));
+    _mm512_storeu_si512(k + 32, _mm512_maskz_mov_epi16(__mmask32(w >> 32), _mm512_set1_epi16(-1)));
+  }
+};
 
 template <>
-FAMILY_INLINE void unpack<kAvx512>(uint64_t w, uint8_t* k) {
-  unpack64_avx512(w, k);
-}
+struct Lanes<kAvx512, uint32_t> {
+  FAMILY_AVX512 static uint64_t pack(const uint32_t* k) {
+    uint64_t w = 0;
+    for (int v = 0; v < 4; ++v) {
+      const __m512i a = _mm512_loadu_si512(k + 16 * v);
+      w |= uint64_t(_mm512_test_epi32_mask(a, a)) << (16 * v);
+    }
+    return w;
+  }
+  FAMILY_AVX512 static void unpack(uint64_t w, uint32_t* k) {
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_si512(k + 16 * v, _mm512_maskz_mov_epi32(__mmask16(w >> (16 * v)), _mm512_set1_epi32(-1)));
+    }
+  }
+};
+
+template <>
+struct Lanes<kAvx512, uint64_t> {
+  FAMILY_AVX512 static uint64_t pack(const uint64_t* k) {
+    uint64_t w = 0;
+    for (int v = 0; v < 8; ++v) {
+      const __m512i a = _mm512_loadu_si512(k + 8 * v);
+      w |= uint64_t(_mm512_test_epi64_mask(a, a)) << (8 * v);
+    }
+    return w;
+  }
+  FAMILY_AVX512 static void unpack(uint64_t w, uint64_t* k) {
+    for (int v = 0; v < 8; ++v) {
+      _mm512_storeu_si512(k + 8 * v, _mm512_maskz_mov_epi64(__mmask8(w >> (8 * v)), _mm512_set1_epi64(-1)));
+    }
+  }
+};
 #endif
+
+// The unsigned integer of T's width: the mask lanes' type.
+template <typename T>
+using LaneOf = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
 
 template <typename Act, typename T>
 using P = typename Act::template Params<T>;
 
-// Whole blocks through the vectorizable loop (the input block is copied
-// first, so that x may alias y without defeating the vectorizer), the last
-// partial block element by element. `begin` is a multiple of kBlock.
+// Whole blocks through the vectorizable loop, the last partial block
+// element by element. The loop works on local arrays and a local copy of the
+// parameters: with nothing it reads aliasing what it writes (x may be y in
+// place, and y could alias the parameters as far as the compiler knows), it
+// vectorizes. `begin` is a multiple of kBlock.
 template <typename Act, typename T, int I, bool kMask>
-FAMILY_INLINE void fwd_body(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& p) {
+FAMILY_INLINE void fwd_body(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& params) {
+  const P<Act, T> p = params;
   int64_t i0 = begin;
   for (; i0 + kBlock <= end; i0 += kBlock) {
-    T in[kBlock];
-    uint8_t k[kBlock];
+    using U = LaneOf<T>;
+    T in[kBlock], out[kBlock];
+    U k[kBlock];
     std::memcpy(in, x + i0, sizeof(in));
     for (int j = 0; j < kBlock; ++j) {
-      y[i0 + j] = Act::forward(in[j], p);
-      if constexpr (kMask) k[j] = Act::keep(in[j], p);
+      out[j] = Act::forward(in[j], p);
+      if constexpr (kMask) k[j] = Act::keep(in[j], p) ? U(~U(0)) : U(0);
     }
+    std::memcpy(y + i0, out, sizeof(out));
     if constexpr (kMask) {
-      const uint64_t w = pack<I>(k);
+      const uint64_t w = Lanes<I, U>::pack(k);
       std::memcpy(mask + i0 / 8, &w, 8);
     }
   }
@@ -129,15 +208,20 @@ FAMILY_INLINE void fwd_body(const T* x, T* y, uint8_t* mask, int64_t begin, int6
 }
 
 template <typename Act, typename T, int I>
-FAMILY_INLINE void bwd_body(const T* __restrict g, const uint8_t* mask, T* __restrict out, int64_t begin, int64_t end,
-                            const P<Act, T>& p) {
+FAMILY_INLINE void bwd_body(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end,
+                            const P<Act, T>& params) {
+  const P<Act, T> p = params;
   int64_t i0 = begin;
   for (; i0 + kBlock <= end; i0 += kBlock) {
+    using U = LaneOf<T>;
     uint64_t w;
-    uint8_t k[kBlock];
+    T in[kBlock], o[kBlock];
+    U k[kBlock];
     std::memcpy(&w, mask + i0 / 8, 8);
-    unpack<I>(w, k);
-    for (int j = 0; j < kBlock; ++j) out[i0 + j] = Act::grad(g[i0 + j], k[j] != 0, p);
+    Lanes<I, U>::unpack(w, k);
+    std::memcpy(in, g + i0, sizeof(in));
+    for (int j = 0; j < kBlock; ++j) o[j] = Act::grad(in[j], k[j] != 0, p);
+    std::memcpy(out + i0, o, sizeof(o));
   }
   for (int64_t i = i0; i < end; ++i) out[i] = Act::grad(g[i], ((mask[i >> 3] >> (i & 7)) & 1) != 0, p);
 }

@@ -9,7 +9,9 @@
 // another; atomics are plain adds (lanes run one at a time).
 //
 // Every kernel is compared with the element-wise contract of relu.h (the one
-// the CPU kernels follow, and those are compared with torch.relu), and the
+// the CPU kernels follow, and those are compared with torch.relu), the
+// family's kernels with their traits (activations.h) applied element by
+// element (the CPU kernels are those traits, compared with PyTorch), and the
 // compaction kernels with a scalar compaction of the same data, on random
 // bit patterns with every special value, with the outputs poisoned and guard
 // elements around them: an element or mask byte written wrong, not written,
@@ -325,6 +327,104 @@ void check_format(const char* dtype) {
   }
 }
 
+// --- the family (activations.h) ----------------------------------------------------
+
+// Each trait's parameters built from doubles (c10::Scalar::to needs the c10
+// library, which this harness does not link).
+template <typename Act, typename T>
+typename Act::template Params<T> params_of(double a, double b) {
+  using M = relu_ext::OpMath<T>;
+  if constexpr (std::is_same_v<Act, relu_ext::Hardtanh>) {
+    return {M(a), M(b), T(float(a)), T(float(b))};
+  } else if constexpr (std::is_same_v<Act, relu_ext::LeakyRelu>) {
+    return {M(a)};
+  } else if constexpr (std::is_same_v<Act, relu_ext::Threshold>) {
+    return {M(a), T(float(b))};
+  } else {
+    return {};
+  }
+}
+
+template <typename U, typename T>
+U bits_of(T v) {
+  U u;
+  std::memcpy(&u, &v, sizeof(U));
+  return u;
+}
+
+// act_fwd_kernel (with a mask, without one, in place) and act_bwd_kernel for
+// one activation, storage type T (bits U, infinity kInf), V and K, against
+// the trait applied element by element; outputs compared bit for bit.
+template <typename Act, typename T, typename U, U kInf, int V, int K>
+void check_family(int64_t n, unsigned cap, int offset, double a, double b, const char* name) {
+  const auto p = params_of<Act, T>(a, b);
+  const U poison = U(0xA5A5A5A5A5A5A5A5ull);
+  const std::vector<U> xb = adversarial<U, kInf>(n), gb = adversarial<U, kInf>(n);
+  std::vector<T> x0(n), g0(n);
+  std::memcpy(x0.data(), xb.data(), n * sizeof(U));
+  std::memcpy(g0.data(), gb.data(), n * sizeof(U));
+  std::vector<uint8_t> want_mask((n + 7) / 8, 0);
+  std::vector<U> want_y(n), want_g(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const bool keep = Act::keep(x0[i], p);
+    want_y[i] = bits_of<U>(Act::forward(x0[i], p));
+    want_g[i] = bits_of<U>(Act::grad(g0[i], keep, p));
+    if (keep) want_mask[i / 8] |= uint8_t(1u << (i % 8));
+  }
+  const int64_t lead = kGuard + offset;
+  const unsigned grid = grid_for((n + V * K - 1) / (V * K), cap);
+  auto check_guards = [&](const U* base, const char* what) {
+    for (int64_t i = 0; i < lead; ++i) expect(base[i] == poison, what, name, n, i - lead);
+    for (int64_t i = 0; i < kGuard; ++i) expect(base[lead + n + i] == poison, what, name, n, n + i);
+  };
+  for (int mode = 0; mode < 3; ++mode) {  // 0: no mask, 1: mask, 2: in place with the mask
+    Buffer<U> xs(lead + n + kGuard, poison), ys(lead + n + kGuard, poison);
+    std::memcpy(xs.data + lead, xb.data(), n * sizeof(U));
+    std::vector<uint8_t> mask(kGuard + want_mask.size() + kGuard, 0xA5);
+    uint8_t* m = mask.data() + kGuard;
+    U* out = mode == 2 ? xs.data : ys.data;
+    launch(relu_ext::act_fwd_kernel<Act, T, V, K>, grid, reinterpret_cast<const T*>(xs.data + lead),
+           reinterpret_cast<T*>(out + lead), mode == 0 ? nullptr : m, n, p);
+    for (int64_t i = 0; i < n; ++i) expect(out[lead + i] == want_y[i], "family forward value", name, n, i);
+    check_guards(out, "family forward: write outside the output");
+    for (size_t i = 0; i < want_mask.size(); ++i) {
+      expect(m[i] == (mode == 0 ? 0xA5 : want_mask[i]), "family mask byte", name, n, int64_t(i));
+    }
+    for (int i = 1; i <= kGuard; ++i) {
+      expect(m[-i] == 0xA5, "family mask: write before the mask", name, n, -i);
+      expect(m[want_mask.size() - 1 + i] == 0xA5, "family mask: write past the mask", name, n, int64_t(i));
+    }
+  }
+  Buffer<U> gs(lead + n, poison), outs(lead + n + kGuard, poison);
+  std::memcpy(gs.data + lead, gb.data(), n * sizeof(U));
+  launch(relu_ext::act_bwd_kernel<Act, T, V, K>, grid, reinterpret_cast<const T*>(gs.data + lead),
+         static_cast<const uint8_t*>(want_mask.data()), reinterpret_cast<T*>(outs.data + lead), n, p);
+  for (int64_t i = 0; i < n; ++i) expect(outs.data[lead + i] == want_g[i], "family backward value", name, n, i);
+  check_guards(outs.data, "family backward: write outside the output");
+}
+
+// Every activation with the launcher's vector kernel (V, the default unroll
+// K = 2) and its unaligned one (V = 1, K = 1), at every edge.
+template <typename Act, typename T, typename U, U kInf>
+void check_family_format(const char* act, const char* dtype, double a, double b) {
+  constexpr int V = 16 / sizeof(T);
+  char name[2][96];
+  std::snprintf(name[0], sizeof name[0], "%s %s V=%d K=2", act, dtype, V);
+  std::snprintf(name[1], sizeof name[1], "%s %s V=1 K=1 (unaligned)", act, dtype);
+  for (unsigned cap : {1u, 3u}) {
+    for (int64_t n : sizes_for(V, 2, cap)) check_family<Act, T, U, kInf, V, 2>(n, cap, 0, a, b, name[0]);
+    for (int64_t n : sizes_for(1, 1, cap)) check_family<Act, T, U, kInf, 1, 1>(n, cap, 1, a, b, name[1]);
+  }
+}
+
+template <typename Act>
+void check_family_dtypes(const char* act, double a, double b) {
+  check_family_format<Act, float, uint32_t, relu_ext::kInfF32>(act, "float32", a, b);
+  check_family_format<Act, double, uint64_t, relu_ext::kInfF64>(act, "float64", a, b);
+  check_family_format<Act, c10::Half, uint16_t, relu_ext::kInfF16>(act, "float16", a, b);
+  check_family_format<Act, c10::BFloat16, uint16_t, relu_ext::kInfBF16>(act, "bfloat16", a, b);
+}
+
 // --- compaction -----------------------------------------------------------------
 
 enum MaskKind { kRandomMask, kAllOnes, kAllZeros, kSparse, kMaskKinds };
@@ -492,6 +592,11 @@ int main() {
       check_int<int64_t>(n, cap);
     }
   }
+  check_family_dtypes<relu_ext::Hardtanh>("relu6", 0.0, 6.0);
+  check_family_dtypes<relu_ext::Hardtanh>("hardtanh", -0.5, 0.25);
+  check_family_dtypes<relu_ext::LeakyRelu>("leaky_relu", 0.1, 0.0);
+  check_family_dtypes<relu_ext::Threshold>("threshold", 0.5, 2.0);
+  check_family_dtypes<relu_ext::Hardsigmoid>("hardsigmoid", 0.0, 0.0);
   check_compaction_width<uint16_t, relu_ext::kInfF16>("2-byte");
   check_compaction_width<uint32_t, relu_ext::kInfF32>("4-byte");
   check_compaction_width<uint64_t, relu_ext::kInfF64>("8-byte");

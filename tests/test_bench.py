@@ -240,6 +240,25 @@ def test_load_warning(monkeypatch, capsys):
     assert timing.load_warning(timing.load_average()) is None
 
 
+def test_family_rows(result):
+    """Each activation of the family against PyTorch's op: forward, training forward (relu_ext
+    writes the mask), backward (PyTorch's *_backward reads the input, relu_ext the mask) and in place."""
+    res = result[0]
+    rows = res["family"]
+    assert {(r["dtype"], r["numel"]) for r in rows} == {(d, n) for d in ("float32", "bfloat16") for n in (1024, 4099)}
+    assert {r["case"] for r in rows} == set(peers.FAMILY_CASES)
+    for r in rows:
+        check_row(r, 3, res["config"]["max_spread"])
+        assert set(r["results"]) == {"torch", "relu_ext"}
+        e = 4 if r["dtype"] == "float32" else 2
+        n, m = r["numel"], (r["numel"] + 7) // 8
+        kind = r["case"].split(" ", 1)[1]
+        want = {"fwd": 2 * n * e, "fwd (train)": 2 * n * e + m, "bwd": 2 * n * e + m, "in-place": 2 * n * e}[kind]
+        assert r["results"]["relu_ext"]["bytes"] == want, r["case"]
+        assert r["results"]["torch"]["bytes"] == (3 if kind == "bwd" else 2) * n * e, r["case"]
+    assert "the family's kernels" in report.format_tables(res)
+
+
 def test_configuration_defaults_quick_and_overrides():
     _, full = cli.configure(["--device", "cpu"])
     assert (full["sizes"], full["rounds"], full["budget_s"]) == (cli.DEFAULT_SIZES["cpu"], 5, 0.25)
@@ -379,7 +398,7 @@ def test_progress_lines_when_stderr_is_not_a_terminal(capsys):
 def test_progress_total_matches_the_steps_taken(monkeypatch):
     steps = []
     monkeypatch.setattr(timing.Progress, "step", lambda self, label: steps.append(label))
-    argv = TINY + ["--what", "kernels,small,models", "--sizes", "512", "--dtypes", "float32", "--impls", "torch,relu_ext",
+    argv = TINY + ["--what", "kernels,family,small,models", "--sizes", "512", "--dtypes", "float32", "--impls", "torch,relu_ext",
                    "--rounds", "2", "--quick"]
     _, config = cli.configure(argv)
     cli.main(argv)

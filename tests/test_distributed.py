@@ -1,5 +1,6 @@
 """DDP (gloo, 2 processes on this machine): relu_ext.ReLU, nn.ReLU under relu_ext.install(), and
-nn.ReLU under relu_ext.save_compact() train with the same gradients as nn.ReLU."""
+nn.ReLU under relu_ext.save_compact() train with the same gradients as nn.ReLU; so do the family's
+ReLU6 and LeakyReLU, converted and installed."""
 
 import contextlib
 
@@ -24,12 +25,19 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         grads = {}
-        runs = (("ours", relu_ext.ReLU), ("installed", torch.nn.ReLU), ("compact", torch.nn.ReLU), ("ref", torch.nn.ReLU))
+        runs = (("ours", relu_ext.ReLU), ("installed", torch.nn.ReLU), ("compact", torch.nn.ReLU), ("ref", torch.nn.ReLU),
+                ("family_ours", None), ("family_installed", None), ("family_ref", None))
         for name, act in runs:
-            hold = relu_ext.install() if name == "installed" else None  # spawned: each process installs
+            hold = relu_ext.install() if name.endswith("installed") else None  # spawned: each process installs
             torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(16, 128), act(), torch.nn.Linear(128, 64), act(inplace=True),
-                                        torch.nn.Linear(64, 1))
+            if act is None:  # the family: ReLU6 and LeakyReLU, swapped by convert() or reached by install()
+                model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU6(), torch.nn.Linear(128, 64),
+                                            torch.nn.LeakyReLU(0.1, inplace=True), torch.nn.Linear(64, 1))
+                if name == "family_ours":
+                    relu_ext.convert(model)
+            else:
+                model = torch.nn.Sequential(torch.nn.Linear(16, 128), act(), torch.nn.Linear(128, 64), act(inplace=True),
+                                            torch.nn.Linear(64, 1))
             ddp = torch.nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             torch.manual_seed(100 + rank)  # each rank its own data
@@ -58,3 +66,8 @@ def test_ddp_gloo_matches_nn_relu(tmp_path):
         assert torch.equal(a, d) and torch.equal(b, d) and torch.equal(c, d)
     assert "ReluExtBackward0" in grads["ours_nodes"] and "ReluExtBackward0" in grads["installed_nodes"]
     assert "ReluBackward0" not in grads["installed_nodes"] and "ReluBackward0" in grads["ref_nodes"]
+    for a, b, c in zip(grads["family_ours"], grads["family_installed"], grads["family_ref"]):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    for name in ("family_ours", "family_installed"):
+        assert {"HardtanhExtBackward0", "LeakyReluExtBackward0"} <= grads[name + "_nodes"], grads[name + "_nodes"]
+    assert "HardtanhBackward0" in grads["family_ref_nodes"]

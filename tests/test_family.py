@@ -1,5 +1,6 @@
-"""The family (hardtanh / relu6, leaky_relu, threshold, hardsigmoid) against PyTorch, bit for bit,
-and the batteries ReLU passes, run as one table over the ops."""
+"""The activation table (relu and the family: hardtanh / relu6, leaky_relu, threshold, hardsigmoid)
+against PyTorch, bit for bit, and the batteries every op passes, run as one table over the ops
+(test_exact.py and the other files test relu in more depth)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ ops = torch.ops.relu_ext
 
 # (id, relu_ext function, PyTorch function, op name, Scalar arguments, torch.nn class and its arguments)
 CASES: list[tuple[str, Callable, Callable, str, tuple, type, tuple]] = [
+    ("relu", relu_ext.relu, F.relu, "relu", (), torch.nn.ReLU, ()),
     ("hardtanh", relu_ext.hardtanh, F.hardtanh, "hardtanh", (-1.0, 1.0), torch.nn.Hardtanh, ()),
     ("relu6", lambda t, inplace=False: relu_ext.relu6(t, inplace), lambda t, inplace=False: F.relu6(t, inplace),
      "hardtanh", (0.0, 6.0), torch.nn.ReLU6, ()),
@@ -40,18 +42,12 @@ CASE_IDS = [c[0] for c in CASES]
 BY_ID = {c[0]: c for c in CASES}
 
 
-def _call(fn: Callable, x: torch.Tensor, args: tuple, inplace: bool = False) -> torch.Tensor:
-    if fn in (relu_ext.relu6,) or "relu6" in getattr(fn, "__qualname__", ""):
-        return fn(x, inplace)
-    return fn(x, *args, inplace=inplace) if args or fn not in (relu_ext.hardsigmoid, F.hardsigmoid) else fn(x, inplace=inplace)
-
-
 def _run(case: tuple, impl: str, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     _, ours, theirs, _, args, _, _ = case
     fn = ours if impl == "relu_ext" else theirs
     if case[0] == "relu6":
         return fn(x, inplace=inplace)
-    if case[0] == "hardsigmoid":
+    if not args:
         return fn(x, inplace=inplace)
     return fn(x, *args, inplace=inplace)
 
@@ -137,6 +133,34 @@ def test_inplace_bitwise_against_pytorch(case, dtype, device, cpu_isa):
         _assert_family_equal(vc, vd, f"in-place no-grad {name}")
 
 
+OPINFO = {"nn.functional.hardtanh": relu_ext.hardtanh, "nn.functional.relu6": relu_ext.relu6,
+          "nn.functional.leaky_relu": relu_ext.leaky_relu, "nn.functional.threshold": relu_ext.threshold,
+          "nn.functional.hardsigmoid": relu_ext.hardsigmoid, "nn.functional.relu": relu_ext.relu}
+
+
+@pytest.mark.parametrize("name", list(OPINFO))
+def test_pytorch_opinfo_samples_bitwise(name):
+    """PyTorch's own OpInfo samples (its test suite's inputs and arguments) for
+    each op, on every dtype it supports on CPU: same outputs and gradients."""
+    pytest.importorskip("expecttest")  # torch.testing._internal needs it
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    (info,) = [o for o in op_db if o.name == name and o.variant_test_name == ""]
+    for dtype in sorted(info.supported_dtypes("cpu"), key=str):
+        grad = dtype.is_floating_point
+        for sample in info.sample_inputs("cpu", dtype, requires_grad=grad):
+            x, args, kwargs = sample.input, sample.args, sample.kwargs
+            ours, theirs = OPINFO[name](x, *args, **kwargs), info.op(x, *args, **kwargs)
+            what = f"{name} {dtype} {tuple(x.shape)} {args} {kwargs}"
+            if not grad:
+                assert torch.equal(ours, theirs), what
+                continue
+            _assert_family_equal(ours, theirs, what)
+            g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
+            (ga,), (gb,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
+            _assert_family_equal(ga, gb, f"gradient {what}")
+
+
 def test_leaky_inplace_negative_slope_raises_at_backward_as_pytorch():
     x = torch.randn(8, requires_grad=True)
     for fn in (F.leaky_relu, relu_ext.leaky_relu):
@@ -195,7 +219,7 @@ def test_only_the_mask_is_saved(case):
         y = _run(c, "relu_ext", x * 1)
     ours = [t for t in saved if t.numel() * t.element_size() >= 1000]
     assert len(ours) == 1 and ours[0].dtype == torch.uint8 and ours[0].numel() == (x.numel() + 7) // 8, saved
-    assert y.grad_fn.name() == {"hardtanh": "HardtanhExtBackward0", "leaky_relu": "LeakyReluExtBackward0",
+    assert y.grad_fn.name() == {"relu": "ReluExtBackward0", "hardtanh": "HardtanhExtBackward0", "leaky_relu": "LeakyReluExtBackward0",
                                 "threshold": "ThresholdExtBackward0", "hardsigmoid": "HardsigmoidExtBackward0"}[c[3]]
     assert torch.equal(y.grad_fn._saved_mask, saved[-1] if saved[-1].dtype == torch.uint8 else ours[0])
 
@@ -350,7 +374,7 @@ def _same_step(a: tuple, b: tuple) -> None:
     _same(a[1], b[1], "gradients")
 
 
-NET_CASES = ["relu6", "hardtanh_odd", "leaky", "threshold_odd", "hardsigmoid"]
+NET_CASES = ["relu", "relu6", "hardtanh_odd", "leaky", "threshold_odd", "hardsigmoid"]
 
 
 @pytest.mark.parametrize("case", NET_CASES)

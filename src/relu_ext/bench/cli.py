@@ -15,8 +15,8 @@ import relu_ext
 from . import __doc__ as DOC
 from . import models, peers, real, report, timing
 
-SECTIONS = ["kernels", "small", "memory", "models", "compiled"]
-DEFAULT_SECTIONS = ["kernels", "small", "memory", "models"]  # compiled: on request (minutes of compiling)
+SECTIONS = ["kernels", "family", "small", "memory", "models", "compiled"]
+DEFAULT_SECTIONS = ["kernels", "family", "small", "memory", "models"]  # compiled: on request (minutes of compiling)
 SMALL_SIZES = [2**k for k in range(10, 17)]
 DEFAULT_SIZES = {"cpu": [4**k for k in range(8, 14)], "cuda": [4**k for k in range(8, 15)]}
 # On CPU the seed and compile peers run 2-25x slower than torch (a call of
@@ -134,7 +134,7 @@ def run_rows(section: str, device: str, dtypes: list[torch.dtype], sizes: list[i
              slow_peers_max: int | None = None) -> list[dict[str, Any]]:
     """One row per dtype, size and case. Per dtype and size, every case's
     implementations and the copy run interleaved in the same rounds."""
-    cases_of = peers.small_cases if section == "small" else peers.kernel_cases
+    cases_of = {"small": peers.small_cases, "family": peers.family_cases}.get(section, peers.kernel_cases)
     rows = []
     for dtype in dtypes:
         for n in sizes:
@@ -161,9 +161,11 @@ def _steps(config: dict[str, Any]) -> int:
     per_size = [1 + sum(map(len, peers.kernel_cases(zeros, impls_at(n, impls, config["slow_peers_max"])).values()))
                 for n in config["sizes"]]
     per_small = 1 + sum(len(v) for v in peers.small_cases(zeros, impls).values())
+    per_family = 1 + sum(len(v) for v in peers.family_cases(zeros, impls).values())
     model_impls = [i for i in models.MODEL_IMPLS if i in impls]
     what, dtypes, names, rounds = config["what"], len(config["dtypes"]), len(config["models"]), config["rounds"]
     return rounds * (("kernels" in what) * dtypes * sum(per_size)
+                     + ("family" in what) * dtypes * len(config["sizes"]) * per_family
                      + ("small" in what) * len(config["small_sizes"]) * per_small
                      + ("models" in what) * len(models.MODELS) * len(model_impls)) \
         + ("memory" in what) * (dtypes + real.steps(dtypes, names, len(real.CONFIGS), rounds)) \
@@ -190,6 +192,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "kernels" in what:
         result["kernels"] = run_rows("kernels", device, dtypes, config["sizes"], impls, rounds, config["budget_s"],
                                      config["max_spread"], progress, config["slow_peers_max"])
+    if "family" in what:
+        result["family"] = run_rows("family", device, dtypes, config["sizes"], impls, rounds, config["budget_s"],
+                                    config["max_spread"], progress)
     if "small" in what:
         result["small"] = run_rows("small", device, dtypes[:1], config["small_sizes"], impls, rounds,
                                    config["small_budget_s"], config["max_spread"], progress)
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["compiled"] = {"models": real.run(device, dtypes, config["models"], config["quick"], rounds,
                                                  config["budget_s"], config["max_spread"], progress,
                                                  real.COMPILED_CONFIGS, config["compile_backend"])}
-    rows = result.get("kernels", []) + result.get("small", [])
+    rows = result.get("kernels", []) + result.get("family", []) + result.get("small", [])
     timing.mark_copy_low(rows, config["copy_low"])
     timed_models = result.get("models", []) + result.get("memory", {}).get("models", []) \
         + result.get("compiled", {}).get("models", [])

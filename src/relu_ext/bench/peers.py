@@ -239,3 +239,44 @@ def small_cases(x: Tensor, impls: list[str]) -> Cases:
             cases["module fwd+bwd"][impl] = (wrap(lambda m=module: torch.autograd.grad(m(xg), xg, g)),
                                              fwd_bwd_bytes(impl, n, e))
     return {c: v for c, v in cases.items() if v}
+
+
+# The family's kernel rows: (label, op name, Scalar arguments, PyTorch's forward / backward).
+FAMILY = [
+    ("relu6", "hardtanh", (0.0, 6.0), lambda x: F.hardtanh(x, 0.0, 6.0),
+     lambda g, x: torch.ops.aten.hardtanh_backward(g, x, 0.0, 6.0)),
+    ("leaky_relu", "leaky_relu", (0.1,), lambda x: F.leaky_relu(x, 0.1),
+     lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, 0.1, False)),
+    ("threshold", "threshold", (0.1, 0.0), lambda x: F.threshold(x, 0.1, 0.0),
+     lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.1)),
+    ("hardsigmoid", "hardsigmoid", (), F.hardsigmoid, lambda g, x: torch.ops.aten.hardsigmoid_backward(g, x)),
+]
+FAMILY_CASES = [f"{label} {case}" for label, *_ in FAMILY for case in ("fwd", "fwd (train)", "bwd", "in-place")]
+
+
+def family_cases(x: Tensor, impls: list[str]) -> Cases:
+    """The family section's cases for one input: PyTorch's op (backward: its
+    *_backward, which reads the saved input) against relu_ext's (backward from
+    the 1-bit mask)."""
+    n, e = x.numel(), x.element_size()
+    mask_bytes = (n + 7) // 8
+    g = torch.randn_like(x)
+    xg = x.detach().clone().requires_grad_()
+    buf = x.clone()
+    cases: Cases = {c: {} for c in FAMILY_CASES}
+    for label, name, args, fwd, bwd in FAMILY:
+        ours, ours_ = getattr(ops, name), getattr(ops, f"{name}_")
+        ours_fwd, ours_bwd = getattr(ops, f"{name}_fwd"), getattr(ops, f"{name}_bwd")
+        _, mask = ours_fwd(x, *args)
+        if "torch" in impls:
+            cases[f"{label} fwd"]["torch"] = (_no_grad(functools.partial(fwd, x)), 2 * n * e)
+            cases[f"{label} fwd (train)"]["torch"] = (functools.partial(fwd, xg), 2 * n * e)
+            cases[f"{label} bwd"]["torch"] = (functools.partial(bwd, g, x), 3 * n * e)
+            torch_ = getattr(torch.ops.aten, f"{name}_")
+            cases[f"{label} in-place"]["torch"] = (_no_grad(lambda t=torch_, a=args: t(buf, *a)), 2 * n * e)
+        if "relu_ext" in impls:
+            cases[f"{label} fwd"]["relu_ext"] = (_no_grad(lambda o=ours, a=args: o(x, *a)), 2 * n * e)
+            cases[f"{label} fwd (train)"]["relu_ext"] = (lambda o=ours_fwd, a=args: o(x, *a), 2 * n * e + mask_bytes)
+            cases[f"{label} bwd"]["relu_ext"] = (lambda o=ours_bwd, m=mask, a=args: o(g, m, *a), 2 * n * e + mask_bytes)
+            cases[f"{label} in-place"]["relu_ext"] = (_no_grad(lambda o=ours_, a=args: o(buf, *a)), 2 * n * e)
+    return {c: v for c, v in cases.items() if v}

@@ -171,6 +171,15 @@ def format_tables(result: dict[str, Any]) -> str:
                    lambda i, c: (f"{_gbs(c['gbs'])} {_pct(c['of_copy'])}" + ("" if i == "torch" else f" {_ratio(_vs(c))}")
                                  + _mark(c["marks"])),
                    lambda i: 11 if i == "torch" else 16)
+    lines += _grid(result.get("family", []),
+                   "the family's kernels: GB/s, % of copy, time vs torch (<1 faster); bwd: torch's *_backward reads\n"
+                   "the saved input and the gradient, relu_ext's reads the 1-bit mask and the gradient",
+                   f"{'':4} {'case':23} {'copy':>5}  ",
+                   lambda r: f"{size_label(r['numel']):>4} {r['case']:23} {_gbs(r['copy_gbs'])}"
+                             f"{'!' if timing.COPY_LOW_MARK in r['marks'] else ' '} ",
+                   lambda i, c: (f"{_gbs(c['gbs'])} {_pct(c['of_copy'])}" + ("" if i == "torch" else f" {_ratio(_vs(c))}")
+                                 + _mark(c["marks"])),
+                   lambda i: 11 if i == "torch" else 16)
     lines += _grid(result.get("small", []), "small tensors, per call: microseconds, time vs torch (<1 faster)",
                    f"{'':4} {'case':14} ",
                    lambda r: f"{size_label(r['numel']):>4} {r['case']:14}{'!' if timing.COPY_LOW_MARK in r['marks'] else ' '}",
