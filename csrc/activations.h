@@ -22,6 +22,7 @@
 #pragma once
 
 #include <array>
+#include <cstring>
 
 #include <ATen/OpMathType.h>
 #include <c10/core/Scalar.h>
@@ -37,6 +38,27 @@ using ActArgs = std::array<c10::Scalar, 2>;
 
 template <typename T>
 using OpMath = at::opmath_type<T>;
+
+// T to opmath and back (round to nearest even; a NaN becomes the canonical
+// NaN, as c10's conversions give). On the CPU bfloat16's is written without
+// a branch, so that the compiler vectorizes it.
+template <typename T>
+RELU_HD OpMath<T> to_m(T x) {
+  return static_cast<OpMath<T>>(x);
+}
+template <typename T>
+RELU_HD T from_m(OpMath<T> v) {
+  return static_cast<T>(v);
+}
+#if !defined(__CUDACC__)
+template <>
+inline c10::BFloat16 from_m<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16(v != v ? uint16_t(0x7FC0) : rounded, c10::BFloat16::from_bits());
+}
+#endif
 
 // hardtanh(x, min_val, max_val) = clamp(x, min, max); the bounds are
 // compared in opmath (PyTorch's backward does; for the forward it makes no
@@ -57,13 +79,13 @@ struct Hardtanh {
   }
   template <typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
-    const OpMath<T> v = static_cast<OpMath<T>>(x);
+    const OpMath<T> v = to_m(x);
     const bool low = v < p.lo;                   // std::max(x, lo): x when NaN
     return p.hi < (low ? p.lo : v) ? p.hi_t : (low ? p.lo_t : x);  // std::min(.., hi)
   }
   template <typename T>
   RELU_HD static bool keep(T x, const Params<T>& p) {
-    const OpMath<T> v = static_cast<OpMath<T>>(x);
+    const OpMath<T> v = to_m(x);
     return !(v <= p.lo || v >= p.hi);
   }
   template <typename T>
@@ -88,16 +110,16 @@ struct LeakyRelu {
   }
   template <typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
-    const OpMath<T> v = static_cast<OpMath<T>>(x);
-    return v > OpMath<T>(0) ? x : static_cast<T>(v * p.slope);
+    const OpMath<T> v = to_m(x);
+    return v > OpMath<T>(0) ? x : from_m<T>(v * p.slope);
   }
   template <typename T>
   RELU_HD static bool keep(T x, const Params<T>&) {
-    return static_cast<OpMath<T>>(x) > OpMath<T>(0);
+    return to_m(x) > OpMath<T>(0);
   }
   template <typename T>
   RELU_HD static T grad(T g, bool keep, const Params<T>& p) {
-    return keep ? g : static_cast<T>(static_cast<OpMath<T>>(g) * p.slope);
+    return keep ? g : from_m<T>(to_m(g) * p.slope);
   }
 };
 
@@ -119,11 +141,11 @@ struct Threshold {
   }
   template <typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
-    return static_cast<OpMath<T>>(x) <= p.threshold ? p.value : x;
+    return to_m(x) <= p.threshold ? p.value : x;
   }
   template <typename T>
   RELU_HD static bool keep(T x, const Params<T>& p) {
-    return !(static_cast<OpMath<T>>(x) <= p.threshold);
+    return !(to_m(x) <= p.threshold);
   }
   template <typename T>
   RELU_HD static T grad(T g, bool keep, const Params<T>&) {
@@ -147,21 +169,21 @@ struct Hardsigmoid {
   template <typename T>
   RELU_HD static T forward(T x, const Params<T>&) {
     using M = OpMath<T>;
-    const M a = static_cast<M>(x) + M(3);
+    const M a = to_m(x) + M(3);
     const M lo = a < M(0) ? M(0) : a;  // std::max(a, 0)
     const M hi = M(6) < lo ? M(6) : lo;  // std::min(lo, 6)
-    return static_cast<T>(hi / M(6));
+    return from_m<T>(hi / M(6));
   }
   template <typename T>
   RELU_HD static bool keep(T x, const Params<T>&) {
     using M = OpMath<T>;
-    const M v = static_cast<M>(x);
+    const M v = to_m(x);
     return v > M(-3) && v < M(3);
   }
   template <typename T>
   RELU_HD static T grad(T g, bool keep, const Params<T>&) {
     using M = OpMath<T>;
-    return keep ? static_cast<T>(static_cast<M>(g) * M(1.0f / 6.0f)) : T(0);
+    return keep ? from_m<T>(to_m(g) * M(1.0f / 6.0f)) : T(0);
   }
 };
 

@@ -165,32 +165,53 @@ struct Lanes<kAvx512, uint64_t> {
 };
 #endif
 
-// The unsigned integer of T's width: the mask lanes' type.
+// The mask lanes' type: the unsigned integer of the opmath type's width (the
+// compares are made in opmath, float for the 16-bit types).
 template <typename T>
-using LaneOf = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+using LaneOf = std::conditional_t<sizeof(OpMath<T>) == 4, uint32_t, uint64_t>;
 
 template <typename Act, typename T>
 using P = typename Act::template Params<T>;
 
-// Whole blocks through the vectorizable loop, the last partial block
-// element by element. The loop works on local arrays and a local copy of the
-// parameters: with nothing it reads aliasing what it writes (x may be y in
-// place, and y could alias the parameters as far as the compiler knows), it
-// vectorizes. `begin` is a multiple of kBlock.
-template <typename Act, typename T, int I, bool kMask>
+// One block of kBlock elements: the output, and the mask bits as lanes of
+// T's width in k. Out of place the pointers are __restrict (the compiler
+// need not fear that a store changes an input); in place the loop reads and
+// writes the same element, which it may vectorize as it is. (A local copy of
+// the block would do instead, but a 32-byte load of what two 16-byte stores
+// just wrote stalls on store forwarding.)
+template <typename Act, typename T, typename U>
+FAMILY_INLINE void fwd_block(const T* __restrict x, T* __restrict y, U* __restrict k, const P<Act, T>& p) {
+  for (int j = 0; j < kBlock; ++j) {
+    y[j] = Act::forward(x[j], p);
+    k[j] = Act::keep(x[j], p) ? U(~U(0)) : U(0);
+  }
+}
+
+template <typename Act, typename T, typename U>
+FAMILY_INLINE void fwd_block_inplace(T* a, U* __restrict k, const P<Act, T>& p) {
+  for (int j = 0; j < kBlock; ++j) {
+    const T v = a[j];
+    a[j] = Act::forward(v, p);
+    k[j] = Act::keep(v, p) ? U(~U(0)) : U(0);
+  }
+}
+
+// Whole blocks, then the last partial block element by element. The
+// parameters are copied: a store through y could otherwise change them as
+// far as the compiler knows, and it would reload them for every element.
+// `begin` is a multiple of kBlock; x == y in place.
+template <typename Act, typename T, int I, bool kMask, bool kInplace>
 FAMILY_INLINE void fwd_body(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& params) {
+  using U = LaneOf<T>;
   const P<Act, T> p = params;
   int64_t i0 = begin;
   for (; i0 + kBlock <= end; i0 += kBlock) {
-    using U = LaneOf<T>;
-    T in[kBlock], out[kBlock];
-    U k[kBlock];
-    std::memcpy(in, x + i0, sizeof(in));
-    for (int j = 0; j < kBlock; ++j) {
-      out[j] = Act::forward(in[j], p);
-      if constexpr (kMask) k[j] = Act::keep(in[j], p) ? U(~U(0)) : U(0);
+    alignas(64) U k[kBlock];
+    if constexpr (kInplace) {
+      fwd_block_inplace<Act>(y + i0, k, p);
+    } else {
+      fwd_block<Act>(x + i0, y + i0, k, p);
     }
-    std::memcpy(y + i0, out, sizeof(out));
     if constexpr (kMask) {
       const uint64_t w = Lanes<I, U>::pack(k);
       std::memcpy(mask + i0 / 8, &w, 8);
@@ -208,27 +229,24 @@ FAMILY_INLINE void fwd_body(const T* x, T* y, uint8_t* mask, int64_t begin, int6
 }
 
 template <typename Act, typename T, int I>
-FAMILY_INLINE void bwd_body(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end,
-                            const P<Act, T>& params) {
+FAMILY_INLINE void bwd_body(const T* __restrict g, const uint8_t* __restrict mask, T* __restrict out, int64_t begin,
+                            int64_t end, const P<Act, T>& params) {
+  using U = LaneOf<T>;
   const P<Act, T> p = params;
   int64_t i0 = begin;
   for (; i0 + kBlock <= end; i0 += kBlock) {
-    using U = LaneOf<T>;
     uint64_t w;
-    T in[kBlock], o[kBlock];
-    U k[kBlock];
+    alignas(64) U k[kBlock];
     std::memcpy(&w, mask + i0 / 8, 8);
     Lanes<I, U>::unpack(w, k);
-    std::memcpy(in, g + i0, sizeof(in));
-    for (int j = 0; j < kBlock; ++j) o[j] = Act::grad(in[j], k[j] != 0, p);
-    std::memcpy(out + i0, o, sizeof(o));
+    for (int j = 0; j < kBlock; ++j) out[i0 + j] = Act::grad(g[i0 + j], k[j] != 0, p);
   }
   for (int64_t i = i0; i < end; ++i) out[i] = Act::grad(g[i], ((mask[i >> 3] >> (i & 7)) & 1) != 0, p);
 }
 
-template <typename Act, typename T, bool kMask>
+template <typename Act, typename T, bool kMask, bool kInplace>
 void fwd_scalar(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& p) {
-  fwd_body<Act, T, kScalar, kMask>(x, y, mask, begin, end, p);
+  fwd_body<Act, T, kScalar, kMask, kInplace>(x, y, mask, begin, end, p);
 }
 template <typename Act, typename T>
 void bwd_scalar(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end, const P<Act, T>& p) {
@@ -236,17 +254,17 @@ void bwd_scalar(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t 
 }
 
 #ifdef FAMILY_X86
-template <typename Act, typename T, bool kMask>
+template <typename Act, typename T, bool kMask, bool kInplace>
 FAMILY_AVX2 void fwd_avx2(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& p) {
-  fwd_body<Act, T, kAvx2, kMask>(x, y, mask, begin, end, p);
+  fwd_body<Act, T, kAvx2, kMask, kInplace>(x, y, mask, begin, end, p);
 }
 template <typename Act, typename T>
 FAMILY_AVX2 void bwd_avx2(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end, const P<Act, T>& p) {
   bwd_body<Act, T, kAvx2>(g, mask, out, begin, end, p);
 }
-template <typename Act, typename T, bool kMask>
+template <typename Act, typename T, bool kMask, bool kInplace>
 FAMILY_AVX512 void fwd_avx512(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& p) {
-  fwd_body<Act, T, kAvx512, kMask>(x, y, mask, begin, end, p);
+  fwd_body<Act, T, kAvx512, kMask, kInplace>(x, y, mask, begin, end, p);
 }
 template <typename Act, typename T>
 FAMILY_AVX512 void bwd_avx512(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end,
@@ -260,13 +278,19 @@ using FwdFn = void (*)(const T*, T*, uint8_t*, int64_t, int64_t, const P<Act, T>
 template <typename Act, typename T>
 using BwdFn = void (*)(const T*, const uint8_t*, T*, int64_t, int64_t, const P<Act, T>&);
 
-template <typename Act, typename T, bool kMask>
+template <typename Act, typename T, bool kMask, bool kInplace>
 FwdFn<Act, T> pick_fwd() {
 #ifdef FAMILY_X86
-  if (cpu_kernels() == kAvx512) return &fwd_avx512<Act, T, kMask>;
-  if (cpu_kernels() == kAvx2) return &fwd_avx2<Act, T, kMask>;
+  if (cpu_kernels() == kAvx512) return &fwd_avx512<Act, T, kMask, kInplace>;
+  if (cpu_kernels() == kAvx2) return &fwd_avx2<Act, T, kMask, kInplace>;
 #endif
-  return &fwd_scalar<Act, T, kMask>;
+  return &fwd_scalar<Act, T, kMask, kInplace>;
+}
+
+template <typename Act, typename T>
+FwdFn<Act, T> pick_fwd(bool mask, bool inplace) {
+  if (inplace) return mask ? pick_fwd<Act, T, true, true>() : pick_fwd<Act, T, false, true>();
+  return mask ? pick_fwd<Act, T, true, false>() : pick_fwd<Act, T, false, false>();
 }
 
 template <typename Act, typename T>
@@ -291,9 +315,9 @@ template <typename Act>
 void act_forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), Act::kName, [&] {
     const auto p = Act::template params<scalar_t>(args);
-    const auto kernel = mask ? pick_fwd<Act, scalar_t, true>() : pick_fwd<Act, scalar_t, false>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
+    const auto kernel = pick_fwd<Act, scalar_t>(mask != nullptr, xp == yp);
     parallel_blocks(x.numel(), [&](int64_t begin, int64_t end) { kernel(xp, yp, mask, begin, end, p); });
   });
 }
