@@ -4,11 +4,13 @@
 // own target, where the compiler vectorizes the trait's selects and
 // arithmetic; only packing the 64 mask bits of a block to a word, and back,
 // is written with each set's instructions.
+//
 // The compiler may evaluate a compare on both arms of a select only when a
 // compare cannot trap; without this, GCC keeps the loops scalar ("control
 // flow in loop"). Set before any include, so that the traits' functions are
-// compiled alike and are inlined into the loops. It changes no result: nothing here reads FP exception flags
-// or enables their traps, and no arithmetic is reordered or contracted.
+// compiled alike and are inlined into the loops. It changes no result:
+// nothing here reads FP exception flags or enables their traps. (No FMA in
+// the targets: a contracted a * b + c would round differently from PyTorch.)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-trapping-math")
 #endif
@@ -25,12 +27,11 @@
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define FAMILY_X86 1
 #include <immintrin.h>
-#define FAMILY_AVX2 __attribute__((target("avx2,fma")))
-#define FAMILY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,fma")))
+#define FAMILY_AVX2 __attribute__((target("avx2")))
+#define FAMILY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2")))
 #endif
 
 #define FAMILY_INLINE inline __attribute__((always_inline))
-
 
 namespace relu_ext {
 namespace {
