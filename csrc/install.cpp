@@ -17,6 +17,7 @@
 // A tensor relu_ext does not take goes to the kernel that was there before,
 // looked up when installing, so it gets exactly what torch.relu gives it.
 #include <ATen/ATen.h>
+#include <ATen/SavedTensorHooks.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 #include <torch/library.h>
@@ -45,6 +46,22 @@ bool ordinary(const at::Tensor& x) {
 }
 bool takes(const at::Tensor& x) { return ordinary(x) && is_relu_dtype(x.scalar_type()); }
 bool takes_float(const at::Tensor& x) { return ordinary(x) && is_float(x.scalar_type()); }
+
+// PyTorch's non-reentrant checkpoint compares what its recomputation saves
+// with what the forward saved (shape, dtype), and relu_ext's node saves a mask
+// where PyTorch's keeps a tensor: a recomputation must run the kernel the
+// forward ran. Whenever one of our autograd kernels is about to record a node
+// under saved-tensor hooks, the Python layer (relu_ext.dispatch) looks at the
+// hook on top: under a checkpoint's forward it notes the op on the checkpoint
+// and makes its recomputation hold an installation of it; under a
+// recomputation it answers true for an op the forward did not run through
+// relu_ext, which then gets PyTorch's kernel.
+std::function<bool(const std::string&)> recompute_with_torch;
+
+bool keep_torch_kernel(const at::Tensor& x, const std::string& op) {
+  return recompute_with_torch && x.requires_grad() && at::GradMode::is_enabled() &&
+         !at::SavedTensorDefaultHooks::get_tls_state().stack.empty() && recompute_with_torch(op);
+}
 
 template <size_t>
 using ScalarArg = const c10::Scalar&;
@@ -94,11 +111,11 @@ std::unique_ptr<torch::Library> take_over_relu(c10::DispatchKey key, bool autogr
   auto relu_ = std::make_shared<const Original>("aten::relu_", key);
   auto lib = library(key);
   lib->impl("relu", [relu, autograd](c10::DispatchKeySet ks, const at::Tensor& x) -> at::Tensor {
-    if (!takes(x)) return relu->call(ks, x);
+    if (!takes(x) || (autograd && keep_torch_kernel(x, "relu"))) return relu->call(ks, x);
     return autograd ? relu_autograd(x) : relu_kernel(x);
   });
   lib->impl("relu_", [relu_, autograd](c10::DispatchKeySet ks, at::Tensor& x) -> at::Tensor& {
-    if (!takes(x)) return relu_->call_(ks, x);
+    if (!takes(x) || (autograd && keep_torch_kernel(x, "relu"))) return relu_->call_(ks, x);
     autograd ? relu_autograd_(x) : relu_kernel_(x);
     return x;
   });
@@ -113,14 +130,14 @@ std::unique_ptr<torch::Library> take_over_act(c10::DispatchKey key, bool autogra
   auto fn = std::make_shared<const Original>("aten::" + name, key);
   auto fn_ = std::make_shared<const Original>("aten::" + name + "_", key);
   auto lib = library(key);
-  lib->impl(name.c_str(), [fn, autograd](c10::DispatchKeySet ks, const at::Tensor& x, ScalarArg<I>... s) -> at::Tensor {
-    if (!takes_float(x)) return fn->call(ks, x, s...);
+  lib->impl(name.c_str(), [fn, autograd, name](c10::DispatchKeySet ks, const at::Tensor& x, ScalarArg<I>... s) -> at::Tensor {
+    if (!takes_float(x) || (autograd && keep_torch_kernel(x, name))) return fn->call(ks, x, s...);
     ActArgs a;
     ((a[I] = s), ...);
     return autograd ? act_autograd<Act>(x, a) : act_kernel<Act>(x, a);
   });
-  lib->impl((name + "_").c_str(), [fn_, autograd](c10::DispatchKeySet ks, at::Tensor& x, ScalarArg<I>... s) -> at::Tensor& {
-    if (!takes_float(x)) return fn_->call_(ks, x, s...);
+  lib->impl((name + "_").c_str(), [fn_, autograd, name](c10::DispatchKeySet ks, at::Tensor& x, ScalarArg<I>... s) -> at::Tensor& {
+    if (!takes_float(x) || (autograd && keep_torch_kernel(x, name))) return fn_->call_(ks, x, s...);
     ActArgs a;
     ((a[I] = s), ...);
     autograd ? act_autograd_<Act>(x, a) : act_kernel_<Act>(x, a);
@@ -159,6 +176,8 @@ std::mutex mutex;
 std::map<std::string, Libraries> registrations;  // op -> its kernels, while installed
 
 }  // namespace
+
+void set_recompute_probe(std::function<bool(const std::string&)> probe) { recompute_with_torch = std::move(probe); }
 
 std::vector<std::string> install_targets() {
   std::vector<std::string> ops = {"relu"};

@@ -131,6 +131,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uninstall", &uninstall, pybind11::arg("ops"),
         "Remove them: PyTorch's own kernels are back (idempotent).");
   m.def("installed", &installed, "The aten ops relu_ext's kernels run now.");
+  m.def(
+      "set_recompute_probe",
+      [](pybind11::function probe) {
+        // Kept for the life of the process: never destroyed, as there may be no GIL at exit.
+        auto* held = new pybind11::function(std::move(probe));
+        set_recompute_probe([held](const std::string& op) {
+          const pybind11::gil_scoped_acquire gil;
+          try {
+            return (*held)(op).cast<bool>();
+          } catch (pybind11::error_already_set& e) {
+            e.discard_as_unraisable("relu_ext's checkpoint probe");
+            return false;
+          }
+        });
+      },
+      pybind11::arg("probe"),
+      "probe(op) -> bool: whether an installed autograd kernel, recording a node under saved-tensor "
+      "hooks, must run PyTorch's kernel for op (activation checkpointing; relu_ext.dispatch).");
 
   register_node<ReluExtBackward0>(m, "ReluExtBackward0");
 #define X(Act) register_node<MaskBackward<Act>, &saved_args<Act>>(m, Act::kNode);

@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <functional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -86,6 +87,10 @@ std::vector<std::string> install_targets();
 void install(const std::vector<std::string>& ops);
 void uninstall(const std::vector<std::string>& ops);
 std::vector<std::string> installed();
+// The Python layer's answer to "must this call, recording a node under
+// saved-tensor hooks, run PyTorch's kernel for `op`?" (activation
+// checkpointing, see install.cpp). Called with the GIL not held.
+void set_recompute_probe(std::function<bool(const std::string&)> probe);
 
 // The dense layout an op on `x` walks, hence the order of its mask bits: x's
 // own strides when x is dense, else the ones empty_like(x) picks (the layout

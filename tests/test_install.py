@@ -475,6 +475,23 @@ def test_compile_fullgraph_under_install(backend):
         _assert_same_step(got, ref)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_after_uninstall(backend):
+    """A model compiled after a compilation under install() and uninstall
+    gets PyTorch's ReLU and every gradient (PyTorch's Python dispatcher caches
+    kernel choices per op: install and uninstall must clear them)."""
+    x = torch.randn(4, 8)
+    ref = _train_step(_mlp(), x)
+    with relu_ext.install():
+        torch._dynamo.reset()
+        torch.compile(_mlp(), backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    got = _train_step(torch.compile(_mlp(), backend=backend, fullgraph=True), x)
+    assert all(g.abs().sum() > 0 for g in got[1])  # a gradient through every ReLU
+    if backend == "aot_eager":
+        _assert_same_step(got, ref)
+
+
 def test_export_under_install_equals_nn_relu():
     x = torch.randn(4, 8)
     with relu_ext.install():
@@ -511,21 +528,83 @@ def test_torch_func_under_install():
         assert_bitwise_equal(a, b, f"transform {i}")
 
 
+def _checkpointed() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU6(inplace=True),
+        torch.nn.Linear(16, 16), torch.nn.LeakyReLU(0.1), torch.nn.Linear(16, 4),
+    )
+
+
+def _graph_names(t: torch.Tensor) -> set[str]:
+    seen, todo = {}, [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and id(node) not in seen:
+            seen[id(node)] = node.name()
+            todo.extend(n for n, _ in node.next_functions)
+    return set(seen.values())
+
+
+# Each way of holding an installation around a checkpointed forward and its
+# backward: (forward's ops or None, how the forward's hold ends before
+# backward, backward's ops or None). The recomputation in backward must run
+# the kernels the forward ran, whatever is installed by then.
+TARGETS = tuple(relu_ext.install_targets())
+CHECKPOINT_WAYS = {
+    "with block, backward after it": (TARGETS, "exit", None),
+    "Installation.remove()": (TARGETS, "remove", None),
+    "uninstall()": (TARGETS, "uninstall", None),
+    "forward and backward inside": (TARGETS, "keep", None),
+    "installed for backward only": (None, "exit", TARGETS),
+    "relu at forward, the family at backward": (("relu",), "exit", ("hardtanh", "leaky_relu")),
+    "nested holds": (TARGETS, "nested", None),
+}
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_activation_checkpointing_under_install(use_reentrant):
+@pytest.mark.parametrize("way", CHECKPOINT_WAYS)
+def test_activation_checkpointing_under_install(way, use_reentrant):
+    """A checkpointed forward and its backward under any installation
+    state: the same output and gradients as without relu_ext, bitwise, and
+    the installation as the user left it afterwards."""
     from torch.utils.checkpoint import checkpoint
 
+    fwd_ops, end, bwd_ops = CHECKPOINT_WAYS[way]
     x = torch.randn(4, 8, requires_grad=True)
 
-    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model = _mlp()
-        y = checkpoint(model, x, use_reentrant=use_reentrant)
+    def forward() -> tuple[torch.nn.Module, torch.Tensor]:
+        model = _checkpointed()
+        return model, checkpoint(model, x, use_reentrant=use_reentrant)
+
+    def backward(model: torch.nn.Module, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         y.square().sum().backward()
         return y.detach(), [p.grad for p in model.parameters()]
 
-    ref = step()
-    with relu_ext.install():
-        _assert_same_step(step(), ref)
+    ref = backward(*forward())
+    outer = relu_ext.install(("relu",)) if end == "nested" else None
+    hold = relu_ext.install(fwd_ops) if fwd_ops else None
+    try:
+        model, y = forward()
+        if fwd_ops and not use_reentrant:  # the forward really ran relu_ext's kernels
+            expected = {"ReluExtBackward0"} | ({"HardtanhExtBackward0"} if "hardtanh" in fwd_ops else set())
+            assert expected <= _graph_names(y)
+    finally:
+        if end == "uninstall":
+            relu_ext.uninstall()
+        elif hold is not None and end != "keep":
+            hold.remove()
+    state = relu_ext.dispatch._C.installed()
+    try:
+        if bwd_ops:
+            with relu_ext.install(bwd_ops):
+                got = backward(model, y)
+        else:
+            got = backward(model, y)
+        assert sorted(relu_ext.dispatch._C.installed()) == sorted(state)
+    finally:
+        relu_ext.uninstall()
+    _assert_same_step(got, ref)
 
 
 # --- real models -------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 The ops themselves are reached as ``torch.ops.relu_ext.*``.
 """
 
-from typing import Any
+from typing import Any, Callable
 
 from torch import Tensor
 
@@ -39,6 +39,10 @@ def uninstall(ops: list[str]) -> None:
 
 def installed() -> list[str]:
     """The aten ops relu_ext's kernels run now."""
+
+def set_recompute_probe(probe: Callable[[str], bool]) -> None:
+    """probe(op): whether an installed autograd kernel, recording a node under
+    saved-tensor hooks, must run PyTorch's kernel for op (activation checkpointing)."""
 
 class ReluExtBackward0:
     """The backward node's Python type (``y.grad_fn`` of a relu_ext output)."""

@@ -19,13 +19,22 @@ running in other threads, so install and uninstall while no other thread is
 running PyTorch ops (at start-up, say). Processes started with ``spawn``
 (``torch.multiprocessing``, DDP workers) begin without it: call ``install()``
 in each.
+
+Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) reruns
+the forward in backward and checks that it saves what the forward saved.
+relu_ext's nodes save a mask where PyTorch's save a tensor, so the rerun must
+run the kernels the forward ran, whatever is installed by then: a checkpoint
+whose forward ran an op through relu_ext holds an installation of that op
+while it recomputes, and an op it ran through PyTorch keeps PyTorch's kernel
+in the recomputation even where relu_ext is installed (:func:`_probe`).
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from types import TracebackType
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -71,7 +80,7 @@ class Installation:
                 if _holds[op] == 0:
                     del _holds[op]
                     done.append(op)
-            _C.uninstall(done)
+            _registered(done, _C.uninstall)
 
     def __enter__(self) -> Installation:
         return self
@@ -83,6 +92,24 @@ class Installation:
 
     def __repr__(self) -> str:
         return f"<relu_ext.Installation {'active' if self.active else 'removed'} ops={list(self.ops)}>"
+
+
+def _registered(ops: list[str], change: Callable[[list[str]], None]) -> None:
+    """Install or uninstall ``ops`` (``change``) in the dispatcher, and make
+    PyTorch's Python dispatcher see it.
+
+    The Python dispatcher (what torch.compile and torch.export trace with)
+    caches, per aten overload, which key's kernel serves each dispatch key,
+    and only a registration from Python clears that cache. Kept after
+    uninstall, it pointed AutogradCPU at the kernel removed, and a model
+    compiled afterwards got no gradient through its ReLUs.
+    """
+    change(ops)
+    for op in ops:
+        for name in (op, op + "_"):
+            packet = getattr(torch.ops.aten, name)
+            for overload in packet.overloads():
+                getattr(packet, overload)._dispatch_cache.clear()
 
 
 def install(ops: Iterable[str] | None = None) -> Installation:
@@ -118,7 +145,7 @@ def install(ops: Iterable[str] | None = None) -> Installation:
     if unknown:
         raise ValueError(f"relu_ext.install: unknown op(s) {unknown}; choose from {list(known)}")
     with _lock:
-        _C.install([op for op in chosen if op not in _holds])
+        _registered([op for op in chosen if op not in _holds], _C.install)
         for op in chosen:
             _holds[op] = _holds.get(op, 0) + 1
         return Installation(_generation, chosen)
@@ -130,10 +157,63 @@ def uninstall() -> None:
     with _lock:
         _holds.clear()
         _generation += 1
-        _C.uninstall(list(targets()))
+        _registered(list(targets()), _C.uninstall)
 
 
 def installed(op: str | None = None) -> bool:
     """Whether relu_ext's kernels run PyTorch's ``aten::<op>`` now (without ``op``: any of them)."""
     now = _C.installed()
     return bool(now) if op is None else op in now
+
+
+def _checkpoint_of(pack_hook: Callable[..., Any]) -> tuple[str, Any] | None:
+    """("forward", frame) or ("recompute", frame) for the pack hooks of
+    ``torch.utils.checkpoint``'s non-reentrant checkpoint, None for any other.
+
+    The frame is found in the hook's closure (``frame`` in the forward's hook,
+    ``target_frame_ref`` in the recomputation's), as torch 2.11 to 2.14 write them.
+    """
+    fn = inspect.unwrap(pack_hook)
+    if getattr(fn, "__module__", None) != "torch.utils.checkpoint" or not fn.__closure__:
+        return None
+    names = dict(zip(fn.__code__.co_freevars, fn.__closure__))
+    if "frame" in names:
+        return "forward", names["frame"].cell_contents
+    if "target_frame_ref" in names:
+        return "recompute", names["target_frame_ref"].cell_contents()
+    return None
+
+
+def _probe(op: str) -> bool:
+    """Asked by an installed autograd kernel that records a node under
+    saved-tensor hooks: True when it must run PyTorch's kernel for ``op``.
+
+    Under a checkpoint's forward, notes ``op`` on the checkpoint and makes
+    its recomputation hold an installation of the ops noted (False). Under
+    its recomputation, True for an op its forward did not note.
+    """
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        found = None if hooks is None else _checkpoint_of(hooks[0])
+        if found is None or found[1] is None:
+            return False
+        phase, frame = found
+        ops: set[str] | None = getattr(frame, "_relu_ext_ops", None)
+        if phase == "recompute":
+            return ops is None or op not in ops
+        if ops is None:
+            ops = frame._relu_ext_ops = set()
+            recompute = frame.recompute_fn
+
+            def recompute_installed(*args: Any) -> Any:
+                with install(tuple(ops)):
+                    return recompute(*args)
+
+            frame.recompute_fn = recompute_installed  # closes over ops, not the frame: no cycle
+        ops.add(op)
+        return False
+    except Exception:  # a torch whose checkpoint looks different: behave as before
+        return False
+
+
+_C.set_recompute_probe(_probe)
