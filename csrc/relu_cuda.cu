@@ -64,32 +64,48 @@ void with_unroll(Fn&& fn) {
   }
 }
 
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, int64_t threads_needed, int device, cudaStream_t stream, Args... args) {
+  kernel<<<grid_for(kernel, threads_needed, device), kThreads, 0, stream>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int I>
+using Int = std::integral_constant<int, I>;
+
+// An element-wise kernel over n elements of T: kernel_of(V, K) with V-element
+// 16-byte vectors and K rows per warp and iteration when `vec` (every
+// pointer it reads or writes is 16-byte aligned), else kernel_of(1, 1), one
+// element at a time. K is set_cuda_unroll's choice where kTunable (ReLU's
+// kernels are compiled for each), else the default.
+template <typename T, bool kTunable, typename KernelOf, typename... Args>
+void launch_elementwise(bool vec, int64_t n, int device, cudaStream_t stream, KernelOf kernel_of, Args... args) {
+  constexpr int V = 16 / sizeof(T);
+  if (!vec) return launch(kernel_of(Int<1>{}, Int<1>{}), n, device, stream, args...);
+  const auto go = [&](auto unroll) {
+    constexpr int K = decltype(unroll)::value;
+    launch(kernel_of(Int<V>{}, unroll), (n + V * K - 1) / (V * K), device, stream, args...);
+  };
+  if constexpr (kTunable) {
+    with_unroll(go);
+  } else {
+    go(Int<kDefaultUnroll>{});
+  }
+}
+
 }  // namespace
 
 void forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
   const int64_t n = x.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int device = x.get_device();
   const bool vec = aligned16(x.const_data_ptr()) && aligned16(y.data_ptr());
   dispatch_bits(x.scalar_type(), [&](auto fmt) {
     using U = typename decltype(fmt)::U;
-    constexpr U kInf = decltype(fmt)::kInf;
-    constexpr int V = 16 / sizeof(U);
-    const U* xp = static_cast<const U*>(x.const_data_ptr());
-    U* yp = static_cast<U*>(y.data_ptr());
-    if (vec) {
-      with_unroll([&](auto unroll) {
-        constexpr int K = decltype(unroll)::value;
-        const auto kernel = fwd_kernel<U, kInf, V, K>;
-        kernel<<<grid_for(kernel, (n + V * K - 1) / (V * K), device), kThreads, 0, stream>>>(xp, yp, mask, n);
-      });
-    } else {
-      const auto kernel = fwd_kernel<U, kInf, 1, 1>;
-      kernel<<<grid_for(kernel, n, device), kThreads, 0, stream>>>(xp, yp, mask, n);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_elementwise<U, true>(
+        vec, n, x.get_device(), c10::cuda::getCurrentCUDAStream(),
+        [](auto v, auto k) { return fwd_kernel<U, decltype(fmt)::kInf, decltype(v)::value, decltype(k)::value>; },
+        static_cast<const U*>(x.const_data_ptr()), static_cast<U*>(y.data_ptr()), mask, n);
   });
 }
 
@@ -97,12 +113,9 @@ void forward_int_cuda(const at::Tensor& x, const at::Tensor& y) {
   const int64_t n = x.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_INTEGRAL_TYPES(x.scalar_type(), "relu_ext_int", [&] {
-    const auto kernel = int_kernel<scalar_t>;
-    kernel<<<grid_for(kernel, n, x.get_device()), kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(),
-                                                                        y.data_ptr<scalar_t>(), n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(int_kernel<scalar_t>, n, x.get_device(), c10::cuda::getCurrentCUDAStream(), x.const_data_ptr<scalar_t>(),
+           y.data_ptr<scalar_t>(), n);
   });
 }
 
@@ -110,25 +123,13 @@ void backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor
   const int64_t n = grad.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(grad.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int device = grad.get_device();
   const bool vec = aligned16(grad.const_data_ptr()) && aligned16(grad_in.data_ptr());
   dispatch_bits(grad.scalar_type(), [&](auto fmt) {
     using U = typename decltype(fmt)::U;
-    constexpr int V = 16 / sizeof(U);
-    const U* gp = static_cast<const U*>(grad.const_data_ptr());
-    U* op = static_cast<U*>(grad_in.data_ptr());
-    if (vec) {
-      with_unroll([&](auto unroll) {
-        constexpr int K = decltype(unroll)::value;
-        const auto kernel = bwd_kernel<U, V, K>;
-        kernel<<<grid_for(kernel, (n + V * K - 1) / (V * K), device), kThreads, 0, stream>>>(gp, mask, op, n);
-      });
-    } else {
-      const auto kernel = bwd_kernel<U, 1, 1>;
-      kernel<<<grid_for(kernel, n, device), kThreads, 0, stream>>>(gp, mask, op, n);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_elementwise<U, true>(
+        vec, n, grad.get_device(), c10::cuda::getCurrentCUDAStream(),
+        [](auto v, auto k) { return bwd_kernel<U, decltype(v)::value, decltype(k)::value>; },
+        static_cast<const U*>(grad.const_data_ptr()), mask, static_cast<U*>(grad_in.data_ptr()), n);
   });
 }
 
@@ -140,23 +141,12 @@ void act_forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, c
   const int64_t n = x.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int device = x.get_device();
   const bool vec = aligned16(x.const_data_ptr()) && aligned16(y.data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), Act::kName, [&] {
-    constexpr int V = 16 / sizeof(scalar_t);
-    const auto p = Act::template params<scalar_t>(args);
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    if (vec) {
-      constexpr int K = kDefaultUnroll;
-      const auto kernel = act_fwd_kernel<Act, scalar_t, V, K>;
-      kernel<<<grid_for(kernel, (n + V * K - 1) / (V * K), device), kThreads, 0, stream>>>(xp, yp, mask, n, p);
-    } else {
-      const auto kernel = act_fwd_kernel<Act, scalar_t, 1, 1>;
-      kernel<<<grid_for(kernel, n, device), kThreads, 0, stream>>>(xp, yp, mask, n, p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_elementwise<scalar_t, false>(
+        vec, n, x.get_device(), c10::cuda::getCurrentCUDAStream(),
+        [](auto v, auto k) { return act_fwd_kernel<Act, scalar_t, decltype(v)::value, decltype(k)::value>; },
+        x.const_data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), mask, n, Act::template params<scalar_t>(args));
   });
 }
 
@@ -165,23 +155,12 @@ void act_backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Te
   const int64_t n = grad.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(grad.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int device = grad.get_device();
   const bool vec = aligned16(grad.const_data_ptr()) && aligned16(grad_in.data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), Act::kName, [&] {
-    constexpr int V = 16 / sizeof(scalar_t);
-    const auto p = Act::template params<scalar_t>(args);
-    const scalar_t* gp = grad.const_data_ptr<scalar_t>();
-    scalar_t* op = grad_in.data_ptr<scalar_t>();
-    if (vec) {
-      constexpr int K = kDefaultUnroll;
-      const auto kernel = act_bwd_kernel<Act, scalar_t, V, K>;
-      kernel<<<grid_for(kernel, (n + V * K - 1) / (V * K), device), kThreads, 0, stream>>>(gp, mask, op, n, p);
-    } else {
-      const auto kernel = act_bwd_kernel<Act, scalar_t, 1, 1>;
-      kernel<<<grid_for(kernel, n, device), kThreads, 0, stream>>>(gp, mask, op, n, p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_elementwise<scalar_t, false>(
+        vec, n, grad.get_device(), c10::cuda::getCurrentCUDAStream(),
+        [](auto v, auto k) { return act_bwd_kernel<Act, scalar_t, decltype(v)::value, decltype(k)::value>; },
+        grad.const_data_ptr<scalar_t>(), mask, grad_in.data_ptr<scalar_t>(), n, Act::template params<scalar_t>(args));
   });
 }
 
@@ -198,9 +177,7 @@ namespace {
 at::Tensor tile_ends(const uint8_t* mask, int64_t n, const at::Tensor& like, cudaStream_t stream) {
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::Tensor counts = at::empty({tiles}, like.options().dtype(at::kLong));
-  const auto kernel = count_kernel;
-  kernel<<<grid_for(kernel, tiles * 32, like.get_device()), kThreads, 0, stream>>>(mask, n, counts.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(count_kernel, tiles * 32, like.get_device(), stream, mask, n, counts.data_ptr<int64_t>());
   return at::cumsum(counts, 0);
 }
 
@@ -224,10 +201,7 @@ at::Tensor compact_cuda(const at::Tensor& y, const uint8_t* mask, at::Tensor& mi
     U* vp = static_cast<U*>(values.data_ptr());  // null when nothing is kept: then never written
     auto* mp = reinterpret_cast<unsigned long long*>(missed.data_ptr<int64_t>());
     const auto kernel = vec ? compact_kernel<U, 16 / sizeof(U)> : compact_kernel<U, 1>;
-    const int64_t tiles = (n + kTile - 1) / kTile;
-    kernel<<<grid_for(kernel, tiles * 32, y.get_device()), kThreads, 0, stream>>>(
-        yp, mask, ends.const_data_ptr<int64_t>(), n, vp, mp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(kernel, (n + kTile - 1) / kTile * 32, y.get_device(), stream, yp, mask, ends.const_data_ptr<int64_t>(), n, vp, mp);
   });
   return values;
 }
@@ -249,10 +223,7 @@ void expand_cuda(const at::Tensor& values, const uint8_t* mask, const at::Tensor
     const U* vp = static_cast<const U*>(values.const_data_ptr());
     U* op = static_cast<U*>(out.data_ptr());
     const auto kernel = vec ? expand_kernel<U, 16 / sizeof(U)> : expand_kernel<U, 1>;
-    const int64_t tiles = (n + kTile - 1) / kTile;
-    kernel<<<grid_for(kernel, tiles * 32, out.get_device()), kThreads, 0, stream>>>(
-        vp, mask, ends.const_data_ptr<int64_t>(), n, op);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(kernel, (n + kTile - 1) / kTile * 32, out.get_device(), stream, vp, mask, ends.const_data_ptr<int64_t>(), n, op);
   });
 }
 
@@ -261,24 +232,13 @@ void nonzero_mask_cuda(const at::Tensor& y, uint8_t* mask) {
   if (n == 0) return;
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(mask) % 4 == 0, "nonzero_mask_cuda stores 32-bit mask words");
   const c10::cuda::CUDAGuard guard(y.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int device = y.get_device();
   const bool vec = aligned16(y.const_data_ptr());
   dispatch_width(y, [&](auto u) {
     using U = decltype(u);
-    constexpr int V = 16 / sizeof(U);
-    const U* yp = static_cast<const U*>(y.const_data_ptr());
-    if (vec) {
-      with_unroll([&](auto unroll) {
-        constexpr int K = decltype(unroll)::value;
-        const auto kernel = nonzero_kernel<U, V, K>;
-        kernel<<<grid_for(kernel, (n + V * K - 1) / (V * K), device), kThreads, 0, stream>>>(yp, mask, n);
-      });
-    } else {
-      const auto kernel = nonzero_kernel<U, 1, 1>;
-      kernel<<<grid_for(kernel, n, device), kThreads, 0, stream>>>(yp, mask, n);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_elementwise<U, true>(
+        vec, n, y.get_device(), c10::cuda::getCurrentCUDAStream(),
+        [](auto v, auto k) { return nonzero_kernel<U, decltype(v)::value, decltype(k)::value>; },
+        static_cast<const U*>(y.const_data_ptr()), mask, n);
   });
 }
 

@@ -41,6 +41,19 @@ def cpu_isa(request):
     _C.set_cpu_isa(previous)
 
 
+def node_names(*outputs: torch.Tensor) -> list[str]:
+    """Every node of the autograd graph behind `outputs`, by name, once each."""
+    seen, names, todo = set(), [], [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(fn.name())
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(INT_OF[t.dtype])
 

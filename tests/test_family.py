@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import relu_ext
-from conftest import DEVICES, DTYPES, INT_OF, adversarial, bits, layouts
+from conftest import DEVICES, DTYPES, INT_OF, adversarial, bits, layouts, node_names
 
 ops = torch.ops.relu_ext
 
@@ -482,18 +482,6 @@ ENTRY_POINTS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
 }
 
 
-def _nodes(y: torch.Tensor) -> list[str]:
-    seen, names, todo = set(), [], [y.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.append(fn.name())
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
-
-
 @pytest.fixture
 def _pytorch_kernels_around():
     relu_ext.uninstall()
@@ -511,7 +499,7 @@ def test_install_reaches_every_entry_point(name, dtype, _pytorch_kernels_around)
     def run() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         leaf = x.clone().requires_grad_()
         y = fn(leaf * 1)
-        nodes = _nodes(y)
+        nodes = node_names(y)
         y.backward(g)
         return y.detach(), leaf.grad, nodes
 
@@ -522,7 +510,7 @@ def test_install_reaches_every_entry_point(name, dtype, _pytorch_kernels_around)
     assert any(n.startswith(kind + "Backward") for n in ref_nodes), ref_nodes
     _assert_family_equal(y, ref_y, f"{name} output")
     _assert_family_equal(gr, ref_g, f"{name} gradient", x, g if kind == "Hardtanh" else None)
-    assert _nodes(fn(x.clone().requires_grad_() * 1)) == ref_nodes, "uninstalled: PyTorch's nodes again"
+    assert node_names(fn(x.clone().requires_grad_() * 1)) == ref_nodes, "uninstalled: PyTorch's nodes again"
 
 
 def test_install_a_subset(_pytorch_kernels_around):

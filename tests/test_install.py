@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import relu_ext
-from conftest import DEVICES, adversarial, assert_bitwise_equal
+from conftest import DEVICES, adversarial, assert_bitwise_equal, node_names
 
 _F_RELU_TAKEN_BEFORE_INSTALL = F.relu  # as library code that did `from torch.nn.functional import relu`
 
@@ -30,19 +30,6 @@ def _pytorch_kernels_around_each_test():
     relu_ext.uninstall()
     yield
     relu_ext.uninstall()
-
-
-def _node_names(*outputs: torch.Tensor) -> list[str]:
-    """Every node of the autograd graph behind `outputs`, by name, once each."""
-    seen, names, todo = set(), [], [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.append(fn.name())
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
 
 
 # Each way of calling a ReLU. The in-place ones take a non-leaf.
@@ -65,7 +52,7 @@ ENTRY_POINTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def _run(entry: Callable, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     leaf = x.clone().requires_grad_()
     y = entry(leaf * 1)
-    nodes = _node_names(y)
+    nodes = node_names(y)
     g = torch.randn_like(y)
     y.backward(g)
     return y.detach(), leaf.grad, nodes
@@ -146,7 +133,7 @@ def test_torch_function_modes_and_subclasses_work_as_without_install():
         x = torch.randn(6).as_subclass(Tagged).requires_grad_()
         with Seen() as seen:
             y = F.relu(x * 1)
-        return seen.funcs, type(y), [n for n in _node_names(y) if "Relu" in n]
+        return seen.funcs, type(y), [n for n in node_names(y) if "Relu" in n]
 
     ref_funcs, ref_type, ref_node = run()
     with relu_ext.install():
@@ -536,16 +523,6 @@ def _checkpointed() -> torch.nn.Module:
     )
 
 
-def _graph_names(t: torch.Tensor) -> set[str]:
-    seen, todo = {}, [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and id(node) not in seen:
-            seen[id(node)] = node.name()
-            todo.extend(n for n, _ in node.next_functions)
-    return set(seen.values())
-
-
 # Each way of holding an installation around a checkpointed forward and its
 # backward: (forward's ops or None, how the forward's hold ends before
 # backward, backward's ops or None). The recomputation in backward must run
@@ -588,7 +565,7 @@ def test_activation_checkpointing_under_install(way, use_reentrant):
         model, y = forward()
         if fwd_ops and not use_reentrant:  # the forward really ran relu_ext's kernels
             expected = {"ReluExtBackward0"} | ({"HardtanhExtBackward0"} if "hardtanh" in fwd_ops else set())
-            assert expected <= _graph_names(y)
+            assert expected <= set(node_names(y))
     finally:
         if end == "uninstall":
             relu_ext.uninstall()
@@ -651,7 +628,7 @@ def _model_step(model: torch.nn.Module, inputs: Any, dtype: torch.dtype) -> tupl
     else:
         out = model(inputs.to(dtype))
         loss = out.float().square().mean()
-    nodes = _node_names(loss)
+    nodes = node_names(loss)
     loss.backward()
     return out.detach(), [p.grad for p in model.parameters() if p.grad is not None], nodes
 
