@@ -76,10 +76,11 @@ test-torch-old: $(OLD_STAMP)
 # make bench writes to bench/out (git ignores it, each run its own name);
 # make bench-results into the committed bench/results, on purpose.
 bench: $(BUILD_STAMP)
-	$(PY) -m relu_ext.bench $(BENCH_ARGS)
+	$(PY) -m relu_ext.bench --out bench/out $(BENCH_ARGS)
 
 bench-results: $(BUILD_STAMP)
 	$(PY) -m relu_ext.bench --out bench/results $(BENCH_ARGS)
+	$(PY) bench/make_readme.py
 
 build: $(BUILD_STAMP)
 

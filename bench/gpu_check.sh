@@ -6,7 +6,7 @@
 #
 # On a machine with a GPU, torch with CUDA, nvcc and no network, from the repository root:
 #   build     TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e .
-#             then relu_ext.cuda_available() must be True and a CUDA relu must run (build.log)
+#             then relu_ext.build_info()["cuda"] must be True and a CUDA relu must run (build.log)
 #   test      python3 -m pytest tests: the whole suite, CUDA variants included (tests.log, junit.xml)
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over a small fixed selection of CUDA
 #             tests, SANITIZER_TESTS in this script (--list-sanitizer-tests), into sanitizer.log;
@@ -171,7 +171,7 @@ if [ "$DRY_RUN" = 1 ]; then
   echo "record:     $results/env.json (device, driver, CUDA, torch, python, date, git commit)"
   [ "$DEADLINE" -gt 0 ] && echo "deadline:   ${DEADLINE}s for the whole run (steps under timeout, ${RESERVE_S}s kept for the summary)"
   [ -n "${WANT[build]:-}" ] || echo "build:      only if no CUDA build of relu_ext can be imported"
-  [ -n "${WANT[build]:-}" ] && echo "step build:    $(build_cmd)  > build.log; then relu_ext.cuda_available() must be True"
+  [ -n "${WANT[build]:-}" ] && echo "step build:    $(build_cmd)  > build.log; then relu_ext.build_info()[\"cuda\"] must be True"
   [ -n "${WANT[test]:-}" ] && echo "step test:     $(test_cmd "$results")  > tests.log"
   if [ -n "${WANT[sanitize]:-}" ]; then
     for t in "${TOOLS[@]}"; do echo "step sanitize: $(sanitizer_cmd "$t")  >> sanitizer.log"; done
@@ -293,7 +293,7 @@ print("build_info:", relu_ext.build_info())
 repo = os.path.realpath(os.environ["REPO"])
 if not os.path.realpath(relu_ext.__file__).startswith(repo + os.sep):
     sys.exit(f"gpu_check: FAIL: python imports relu_ext from {relu_ext.__file__}, not from {repo}")
-if not relu_ext.cuda_available():
+if not relu_ext.build_info()["cuda"]:
     sys.exit("gpu_check: FAIL: relu_ext was built WITHOUT its CUDA kernels (nvcc not found? torch without "
              "CUDA? see the build output above)")
 x = torch.randn(1 << 20, device="cuda")
@@ -402,7 +402,7 @@ note_unroll() { echo "unroll ${UNROLLS[*]}: tables at the end of summary.txt"; }
 
 build_present() {
   "$PYTHON" -c '# gpu_check:has-build
-import relu_ext, sys; sys.exit(0 if relu_ext.cuda_available() else 1)' >/dev/null 2>&1
+import relu_ext, sys; sys.exit(0 if relu_ext.build_info()["cuda"] else 1)' >/dev/null 2>&1
 }
 
 BUILD_OK=1 LAST_RESULT=PASS

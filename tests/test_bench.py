@@ -3,10 +3,12 @@ it claims (every round), its ratios are computed from its own rounds, it marks
 figures that cannot be trusted, and its peers compute ReLU (else their
 timings would mean nothing)."""
 
+import importlib.util
 import itertools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from relu_ext.bench import cli, models, peers, real, report, timing
 
 # --malloc as-is: the default would retune malloc in this (pytest's) process for the rest of the suite.
 TINY = ["--device", "cpu", "--rounds", "3", "--budget", "0.01", "--no-progress", "--no-files", "--malloc", "as-is"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +171,12 @@ def test_tables_fit_120_columns(result):
     for r in res["kernels"] + res["small"]:
         r["results"]["triton"] = dict(r["results"]["relu_ext"], gbs=3012.5, of_copy=12.3, vs_torch=10.5)
         r["copy_gbs"] = 3100.0
+    long_name = "a_rather_long_package.of_models:build_the_model_please"  # a user's --model
+    res["memory"]["models"][0]["model"] = long_name
     lines = report.format_tables(res).splitlines()
     assert max(map(len, lines)) <= report.WIDTH, max(lines, key=len)
     assert any("triton" in line for line in lines)
+    assert long_name in lines  # on a line of its own, the figures below it
 
 
 def fake_sample(script):
@@ -286,9 +292,26 @@ def test_bad_arguments_are_named(argv, capsys):
 def test_help_lists_the_flags():
     text = cli.parser().format_help()
     for flag in ("--rounds", "--budget", "--max-spread", "--quick", "--out", "--no-files", "--what", "--impls",
-                 "--cuda-unroll", "--models", "--compile-backend"):
+                 "--cuda-unroll", "--models", "--compile-backend", "--model", "--input-shape"):
         assert flag in text
     assert "interleaved" in text and "marked" in text
+    # A user who installed the package has no repository: no git, no make targets.
+    assert not re.search(r"\b(git|make)\b", text), re.search(r".*\b(git|make)\b.*", text).group(0)
+
+
+def test_table_headers_name_the_columns_and_units(result):
+    lines = report.format_tables(result[0]).splitlines()
+    kernel_heads = [line for line in lines if line.startswith("size case ") and "GB/s" in line]
+    assert len(kernel_heads) == 4  # kernels and family, two dtypes each
+    assert kernel_heads[0].split() == ["size", "case", "GB/s"] + ["GB/s", "copy"] + ["GB/s", "copy", "vs", "T"] * 4
+    small_head = next(line for line in lines if line.startswith("size case ") and "µs" in line)
+    assert small_head.split()[2:] == ["µs", "vs", "T"] * 5
+    start = lines.index(next(line for line in lines if line.startswith("real models, training mode")))
+    head, units = lines[start + 1], lines[start + 2]
+    assert head.split()[1:] == real.CONFIGS and units.split()[:3] == ["dtype,", "input", "metric"]
+    assert units.count("value x vs torch") == len(real.CONFIGS)
+    table = lines[start + 4:start + 4 + 3 * len(result[0]["memory"]["models"])]
+    assert [line[15:24].strip() for line in table] == ["held MiB", "peak MiB", "step ms"] * (len(table) // 3)
 
 
 def test_plot_panels(result, tmp_path):
@@ -369,13 +392,22 @@ def test_sampler_runs_with_torchs_threads():
     assert sampler.sample() > 0 and set(seen) == {torch.get_num_threads()}
 
 
-def test_default_output_is_untracked_and_never_overwritten():
+def test_default_output_is_the_current_folder_and_never_overwritten(tmp_path, monkeypatch):
     env = {"device": "cpu", "cpu": "AMD EPYC", "threads": 2, "date": "2026-11-23T03:22:54"}
     later = dict(env, date="2026-11-23T05:10:07")
     assert report.default_name(env) == "cpu-amd-epyc-2t-2026-11-23T0322"
     assert report.default_name(later) != report.default_name(env)
-    assert cli.parser().parse_args([]).out == "bench/out"
-    out = subprocess.run(["git", "check-ignore", "-q", "bench/out/x.json"], cwd=Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(tmp_path)
+    argv = ["--device", "cpu", "--rounds", "1", "--budget", "0.01", "--no-progress", "--malloc", "as-is",
+            "--what", "kernels", "--sizes", "256", "--dtypes", "float32", "--impls", "torch"]
+    res = cli.main(argv)
+    name = "relu_ext-bench-" + report.default_name(res["environment"])  # among the user's files: prefixed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name + ".json", name + ".png"]
+    res = cli.main(argv + ["--out", "kept"])
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [report.default_name(res["environment"]) + s
+                                                                      for s in (".json", ".png")]
+    # The repository's own runs (make bench) go to bench/out, which git must ignore.
+    out = subprocess.run(["git", "check-ignore", "-q", "bench/out/x.json"], cwd=ROOT)
     if out.returncode != 128:  # 128: not a git checkout (an unpacked sdist)
         assert out.returncode == 0, "bench/out must be ignored by git"
 
@@ -476,3 +508,216 @@ def test_compiled_configurations_run_what_they_say():
     assert plain._orig_mod is model
     with torch.no_grad():
         assert_bitwise_equal(real.loss_of(ext, x), real.loss_of(plain, x))
+
+
+USER_MODEL = """
+from torch import nn
+
+def build():  # ReLU -> average pool: nothing but the ReLU keeps its output
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 4))
+
+def not_a_module():
+    return "a string"
+
+def broken():
+    raise RuntimeError("cannot build\\nsecond line")
+
+VALUE = 3
+"""
+
+
+@pytest.fixture
+def user_model(tmp_path, monkeypatch):
+    """(module name, its folder): a module of models importable from this process only."""
+    name = f"bench_user_model_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(USER_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name, tmp_path
+    sys.modules.pop(name, None)
+
+
+def test_user_model_runs_every_configuration(user_model, monkeypatch):
+    """--model MODULE:CALLABLE: the memory and compiled sections' configurations on the user's model; the
+    peak workers are asked for it with its shape and with the import path that found it (faked here:
+    test_peak_worker_finds_the_user_model runs a real one)."""
+    name, folder = user_model
+    target = f"{name}:build"
+    specs = []
+
+    def fake_worker(spec):
+        specs.append(spec)
+        return {f"{m}/{d}": {"peak_bytes": 1000, "peak_method": "fake"} for m in spec["models"] for d in spec["dtypes"]}
+
+    monkeypatch.setattr(real, "run_worker", fake_worker)
+    assert cli.configure(["--device", "cpu", "--model", target, "--input-shape", "2,3,8,8"])[1]["what"] == ["memory"]
+    both = cli.configure(["--device", "cpu", "--model", target, "--input-shape", "2,3,8,8", "--models", "darknet"])[1]
+    assert both["models"] == ["darknet", target]
+    res = cli.main(TINY + ["--model", target, "--input-shape", "2,3,8,8", "--what", "memory,compiled", "--dtypes",
+                           "float32", "--impls", "torch,relu_ext", "--compile-backend", "aot_eager", "--rounds", "2"])
+    assert res["config"]["models"] == [target] and res["config"]["input_shapes"] == {target: [2, 3, 8, 8]}
+    (row,) = res["memory"]["models"]
+    assert (row["model"], row["dtype"], row["input"], list(row["results"])) == (target, "float32", "2x3x8x8",
+                                                                                 real.CONFIGS)
+    held = {c: m["held_bytes"] for c, m in row["results"].items()}
+    assert held["install"] < 0.5 * held["nn.ReLU"]  # the mask instead of the ReLU's output
+    assert all(len(m["rounds_s"]) == 2 and m["peak_bytes"] == 1000 for m in row["results"].values())
+    (compiled,) = res["compiled"]["models"]
+    assert compiled["model"] == target and list(compiled["results"]) == real.COMPILED_CONFIGS
+    assert [s["config"] for s in specs] == real.CONFIGS + real.COMPILED_CONFIGS
+    assert all(s["models"] == [target] and s["shapes"] == {target: [2, 3, 8, 8]} and str(folder) in s["path"]
+               for s in specs)
+
+
+def test_peak_worker_finds_the_user_model(user_model):
+    """A fresh process, which has the folder only through the spec's path."""
+    name, folder = user_model
+    target = f"{name}:build"
+    spec = {"device": "cpu", "config": "install+compact", "quick": True, "models": [target], "backend": "inductor",
+            "dtypes": ["float32"], "shapes": {target: [2, 3, 8, 8]}, "path": [str(folder)]}
+    out = real.run_worker(spec)
+    assert list(out) == [f"{target}/float32"] and out[f"{target}/float32"]["peak_bytes"] >= 0
+
+
+def test_user_model_from_a_file(user_model):
+    name, folder = user_model
+    path = folder / "models_by_path.py"
+    path.write_text(USER_MODEL)
+    try:
+        model, x = real.build(f"{path}:build", torch.bfloat16, "cpu", quick=True, shape=[2, 3, 8, 8])
+        assert model.training and model[0].weight.dtype == torch.bfloat16 and x.shape == (2, 3, 8, 8)
+        assert real.describe(f"{path}:build", x) == "2x3x8x8"
+    finally:
+        sys.modules.pop("models_by_path", None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "{m}:nope", "--input-shape", "2,3,8,8"], "--model {m}:nope: {m} has no attribute 'nope'"),
+    (["--model", "no_such_module_here:build", "--input-shape", "2,3,8,8"],
+     "cannot import no_such_module_here: ModuleNotFoundError: No module named 'no_such_module_here'"),
+    (["--model", "/no/such/file.py:build", "--input-shape", "2"], "cannot import /no/such/file.py: FileNotFoundError"),
+    (["--model", "{m}:not_a_module", "--input-shape", "2,3,8,8"],
+     "not_a_module() returned a value of type str, not a torch.nn.Module"),
+    (["--model", "{m}:broken", "--input-shape", "2,3,8,8"], "broken() failed: RuntimeError: cannot build"),
+    (["--model", "{m}:VALUE", "--input-shape", "2,3,8,8"], "VALUE is of type int, not callable"),
+    (["--model", "{m}", "--input-shape", "2,3,8,8"], "--model {m}: expected MODULE:CALLABLE"),
+    (["--model", "{m}:build", "--input-shape", "2,4,8,8"],
+     "a forward on a float32 input of shape 2x4x8x8 failed: RuntimeError: Given groups=1"),
+    (["--model", "{m}:build", "--input-shape", "2,x"], "--input-shape '2,x': expected positive integers"),
+    (["--model", "{m}:build", "--input-shape", "2,3,0,8"], "--input-shape '2,3,0,8': expected positive integers"),
+    (["--model", "{m}:build"], "--model needs --input-shape"),
+    (["--input-shape", "2,3,8,8"], "--input-shape is the input of a --model; no --model given"),
+    (["--model", "{m}:build", "--model", "{m}:VALUE", "--input-shape", "1", "--input-shape", "2", "--input-shape", "3"],
+     "--input-shape given 3 times for 2 --model"),
+    (["--model", "{m}:build", "--input-shape", "2,3,8,8", "--what", "kernels"], "--what kernels has neither"),
+])
+def test_user_model_errors_are_one_line(argv, message, user_model, capsys):
+    name, _ = user_model
+    with pytest.raises(SystemExit) as exc:
+        cli.configure(["--device", "cpu"] + [a.format(m=name) for a in argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("python -m relu_ext.bench: error: ") and message.format(m=name) in err, err
+
+
+def test_user_model_error_from_the_command_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "relu_ext.bench", "--model", "no_such_module_here:build",
+                          "--input-shape", "2,3,8,8"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1] == ("python -m relu_ext.bench: error: --model no_such_module_here:build: cannot "
+                                           "import no_such_module_here: ModuleNotFoundError: No module named "
+                                           "'no_such_module_here'")
+
+
+def test_models_whose_package_is_missing_are_skipped(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # what an import then finds: not installed
+    assert real.missing("resnet18") == "torchvision is not installed"
+    assert real.missing("darknet") is None and real.missing("t5_relu") is None
+    _, config = cli.configure(["--device", "cpu", "--what", "memory", "--models", "resnet18,darknet,mobilenet_v2"])
+    assert config["models"] == ["darknet"]
+    assert config["skipped_models"] == {m: "torchvision is not installed" for m in ("resnet18", "mobilenet_v2")}
+    assert cli.configure(["--device", "cpu", "--what", "kernels", "--models", "resnet18"])[1]["skipped_models"] == {}
+
+
+def test_quick_run_without_torchvision_and_transformers(tmp_path):
+    """A whole process tree (the run and any worker) in which neither package imports: the models
+    that need them are skipped, each with one line, and the rest runs."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torchvision'] = None\n"
+                                               "sys.modules['transformers'] = None\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-m", "relu_ext.bench", "--quick", "--what", "kernels,memory", "--sizes",
+                          "1024", "--dtypes", "float32", "--impls", "torch,relu_ext"] + TINY + ["--rounds", "1"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["skipped resnet18: torchvision is not installed",
+                         "skipped t5_relu: transformers is not installed"]
+    assert any(line.startswith("  1K fwd ") for line in lines) and "memory saved for backward" in out.stdout
+    assert "real models" not in out.stdout
+
+
+def make_readme():
+    """bench/make_readme.py, a script of the repository (not of the package), as a module."""
+    spec = importlib.util.spec_from_file_location("make_readme", ROOT / "bench" / "make_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_readme_is_what_make_readme_writes():
+    """bench/README.md cannot go stale: after adding a results file, run python bench/make_readme.py."""
+    results = ROOT / "bench" / "results"
+    if not results.is_dir():
+        pytest.skip("no bench/results here (an unpacked sdist leaves the figures out)")
+    assert (ROOT / "bench" / "README.md").read_text() == make_readme().render(results), \
+        "bench/README.md is stale: run python bench/make_readme.py"
+
+
+def markdown_rows(text, first_cells):
+    """{column: cell} of the markdown table row whose first cells are `first_cells` (a size may carry
+    the ! of a slow copy), by its table's header."""
+    lines = text.splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] if line.startswith("| ") else [] for line in lines]
+    k = next(i for i, row in enumerate(cells) if [c.rstrip("!") for c in row[:len(first_cells)]] == first_cells)
+    head = next(i for i in range(k, -1, -1) if lines[i + 1].startswith("| ---"))
+    return dict(zip(cells[head], cells[k]))
+
+
+def test_make_readme_tabulates_each_results_file(result, tmp_path):
+    res, _ = result
+    mr = make_readme()
+    results = tmp_path / "results"
+    (results / "gpu-x").mkdir(parents=True)
+    (results / "run.json").write_text(json.dumps(res))
+    (results / "gpu-x" / "env.json").write_text(json.dumps({"device": "H100"}))  # a GPU check's, not the bench's
+    older = json.loads(json.dumps(res))
+    older["environment"]["date"] = "2020-01-01T00:00:00"
+    older["memory"]["models"] = [{"model": "mlp", "batch": 64, "dtype": "float32", "results": {
+        impl: {"saved_bytes": 2**20 * k, "saved_vs_torch": k, "peak_bytes": 0, "peak_vs_torch": 1.0, "peak_method": "-"}
+        for impl, k in (("torch", 1.0), ("relu_ext", 0.5))}}]
+    (results / "older.json").write_text(json.dumps(older))
+    text = mr.render(results)
+    assert text.index("## run") < text.index("## older")  # newest first
+    assert "Skipped (not results of `python -m relu_ext.bench`): `results/gpu-x/env.json`." in text
+    assert f"- hardware: {res['environment']['cpu']}, {res['environment']['threads']} threads" in text
+    for section, case in (("kernels", "bwd"), ("family", "relu6 bwd")):
+        row = next(r for r in res[section] if (r["dtype"], r["numel"], r["case"]) == ("float32", 4099, case))
+        cells = markdown_rows(text, [case, "float32", "4099"])
+        ext, torch_ = row["results"]["relu_ext"], row["results"]["torch"]
+        assert cells["relu_ext"].rstrip("~") == f"{ext['vs_torch']:.2f} · {ext['of_copy']:.0%}"
+        assert cells["torch"].rstrip("~") == f"{torch_['of_copy']:.0%}"
+        assert cells["copy GB/s"] == f"{row['copy_gbs']:.1f}"
+    m = next(r for r in res["memory"]["models"] if (r["model"], r["dtype"]) == ("resnet18", "float32"))
+    cells = markdown_rows(text, ["resnet18", "float32", m["input"], "install+compact"])
+    got = m["results"]["install+compact"]
+    assert cells["held vs torch"] == f"{got['held_vs_torch']:.2f}" and cells["step vs torch"].rstrip("~") == \
+        f"{got['vs_torch']:.2f}" and cells["held MiB"] == f"{got['held_bytes'] / 2**20:.2f}"
+    assert "### small models, training mode (an older schema)" in text
+    cells = markdown_rows(text, ["mlp", "float32", "batch 64", "relu_ext"])
+    assert (cells["held MiB"], cells["held vs torch"], cells["step ms"]) == ("0.50", "0.50", "–")
+    readme = tmp_path / "README.md"
+    check = ["--check", "--results", str(results), "--readme", str(readme)]
+    assert mr.main(check) == 1  # missing
+    assert mr.main(check[1:]) == 0 and readme.read_text() == text and mr.main(check) == 0
+    (results / "run.json").write_text(json.dumps(dict(res, environment=dict(res["environment"], torch="9.9"))))
+    assert mr.main(check) == 1  # stale

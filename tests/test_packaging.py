@@ -33,7 +33,8 @@ def _major_minor(version: str) -> str:
 def test_build_info_is_consistent():
     info = relu_ext.build_info()
     assert info["cpu_isa"] in ("avx512", "avx2", "scalar") and info["torch"] == torch.__version__
-    assert info["cuda"] == relu_ext.cuda_available() == _C.with_cuda
+    assert info["cuda"] == _C.with_cuda  # compiled in; cuda_available() also needs a GPU
+    assert relu_ext.cuda_available() == (_C.with_cuda and torch.cuda.is_available())
     assert _major_minor(info["built_with_torch"]) == _major_minor(torch.__version__)
     if info["cuda"]:
         assert info["cpu_only_reason"] is None and info["cuda_arch_list"] and info["cuda_arch_source"]
@@ -113,7 +114,7 @@ def test_import_warns_only_when_a_gpu_goes_unused():
         "print(sum('torch sees a GPU' in str(x.message) for x in w))\n"
     )
     out = _python(code)
-    assert out.split()[-1] == ("0" if relu_ext.cuda_available() else "1"), out
+    assert out.split()[-1] == ("0" if relu_ext.build_info()["cuda"] else "1"), out
 
 
 def test_stub_declares_the_native_module():
@@ -155,10 +156,11 @@ def test_sdist_holds_what_a_build_needs(tmp_path):
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    needed = {"setup.py", "pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "Makefile",
+    needed = {"setup.py", "pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md",
+              "Makefile",
               "csrc/relu.h", "csrc/ops.h", "csrc/relu_cuda.cu", "tests/conftest.py",
               "src/relu_ext/py.typed", "src/relu_ext/_C.pyi", "examples/two_layer_net.py"}
-    needed |= {f for f in tracked if f.startswith(("csrc/", "src/", "tests/", "examples/"))}
+    needed |= {f for f in tracked if f.startswith(("csrc/", "src/", "tests/", "examples/", "docs/"))}
     assert needed <= names, sorted(needed - names)
     assert not {n for n in names if n.endswith(".so") or n.endswith("_build_config.py")}
 

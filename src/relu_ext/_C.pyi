@@ -8,7 +8,8 @@ from typing import Any, Callable
 from torch import Tensor
 
 with_cuda: bool
-"""True when the CUDA kernels were compiled into this build."""
+"""True when the CUDA kernels were compiled into this build (``build_info()["cuda"]``),
+GPU or not; ``relu_ext.cuda_available()`` also asks torch for a GPU."""
 
 def cpu_isa() -> str:
     """CPU kernel set in use: 'avx512', 'avx2' or 'scalar'."""

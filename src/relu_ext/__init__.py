@@ -1,14 +1,22 @@
-"""relu_ext: a bit-exact drop-in ReLU for PyTorch with C++/CUDA kernels.
+"""relu_ext: a bit-exact drop-in ReLU (and ReLU6, Hardtanh, LeakyReLU, Threshold,
+Hardsigmoid) for PyTorch, with C++/CUDA kernels whose backward keeps a 1-bit mask.
 
-    import relu_ext
-    model = nn.Sequential(nn.Linear(10, 10), relu_ext.ReLU())   # instead of nn.ReLU()
-    y = relu_ext.relu(x)                                         # instead of F.relu(x)
-    relu_ext.convert(model)                                      # every nn.ReLU in a model
-    relu_ext.install()                                           # every ReLU the process runs
-    with relu_ext.save_compact(): loss = model(x)                # ReLU outputs kept as mask + values
+Four ways in, from the narrowest::
 
-Importing the package loads the native library, which registers the
-``torch.ops.relu_ext`` operators, and teaches the exporters about them.
+    y = relu_ext.relu(x)                  # instead of F.relu(x); relu6, leaky_relu... alike
+    layer = relu_ext.ReLU()               # instead of nn.ReLU(); ReLU6, LeakyReLU... alike
+    relu_ext.convert(model)               # swap a model's nn.ReLU... modules (revert() undoes it)
+    relu_ext.install()                    # every ReLU... the process runs (uninstall() undoes it)
+
+and ``with relu_ext.save_compact() as sc:`` keeps ReLU outputs saved for
+backward as a bitmap plus their nonzero values (``sc.report()`` says what it
+saved). ``cuda_available()`` and ``build_info()`` describe this build.
+
+Each name in ``relu_ext.__all__`` has its own documentation:
+``help(relu_ext.convert)``, ``help(relu_ext.save_compact)``... Importing the
+package loads the native library, which registers the ``torch.ops.relu_ext``
+operators (a TorchScript archive of a converted model needs it: see
+:func:`convert`), and teaches the exporters about them.
 """
 
 import torch as _torch
@@ -17,6 +25,7 @@ from . import _build
 
 _build.check_torch()  # before the native module loads
 
+from . import _C  # noqa: E402  (the native module: registers the torch.ops.relu_ext operators)
 from . import export as _export  # noqa: E402, F401  (registers the ONNX and decomposition hooks)
 from ._build import build_info, cuda_available  # noqa: E402
 from .compact import save_compact  # noqa: E402
@@ -35,8 +44,12 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# Only a CPU-only build asks torch about GPUs (a CUDA build need not wake the driver).
-if not cuda_available():
+# Only a build without CUDA kernels asks torch about GPUs, to warn that one goes
+# unused: in a CUDA build torch.cuda.is_available() would initialize the CUDA
+# driver (cuInit) at import, which takes time and leaves processes forked
+# afterwards unable to use CUDA. Hence the build fact here, not cuda_available()
+# (which asks torch whenever the kernels are compiled in).
+if not _C.with_cuda:
     _build.warn_if_gpu_unused(False, _torch.cuda.is_available())
 
 # Pickles and reprs name the public path.

@@ -53,19 +53,46 @@ def warn_if_gpu_unused(with_cuda: bool, gpu_visible: bool) -> None:
 
 
 def cuda_available() -> bool:
-    """True when the CUDA kernels were compiled into this build."""
+    """Whether relu_ext can run on a GPU here: its CUDA kernels are compiled in
+    *and* torch sees a GPU (:func:`torch.cuda.is_available`).
+
+    Read it as you would :func:`torch.cuda.is_available`; whether this build
+    has CUDA kernels at all, GPU or not, is ``build_info()["cuda"]``. A build
+    without CUDA kernels answers False without asking torch about GPUs.
+
+    Returns:
+        bool: True when CUDA tensors can go through relu_ext's kernels.
+
+    Example::
+
+        >>> device = "cuda" if relu_ext.cuda_available() else "cpu"
+        >>> relu_ext.relu(torch.randn(4, device=device)).device.type == device
+        True
+    """
     from . import _C
 
-    return bool(_C.with_cuda)
+    return bool(_C.with_cuda) and torch.cuda.is_available()
 
 
 def build_info() -> dict[str, Any]:
     """How this extension was built and what it runs with.
 
-    ``cpu_only_reason`` says why a build has no CUDA kernels (None when it has
-    them); ``cuda_arch_source`` where its GPU architecture list came from;
-    ``cuda_unroll`` the CUDA kernels' rows per warp and iteration (None
-    without CUDA kernels).
+    Returns:
+        dict: ``cuda``: whether the CUDA kernels were compiled in (whether or
+        not a GPU is visible now; :func:`cuda_available` asks both);
+        ``cpu_only_reason``: why a build has no CUDA kernels (None when it
+        has them); ``cuda_arch_list`` and ``cuda_arch_source``: the GPU
+        architectures compiled for and where that list came from;
+        ``cpu_isa``: the CPU kernel set in use; ``cuda_unroll``: the CUDA
+        kernels' rows per warp and iteration (None without CUDA kernels);
+        ``built_with_torch``, ``torch``, ``torch_cuda``: the torch compiled
+        against, the one running, and its CUDA version.
+
+    Example::
+
+        >>> info = relu_ext.build_info()
+        >>> info["cuda"], info["cpu_isa"]          # doctest: +SKIP
+        (False, 'avx2')
     """
     from . import _C
 

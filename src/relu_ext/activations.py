@@ -50,15 +50,16 @@ def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace
     Backward keeps a 1-bit mask (``min_val < x < max_val``) instead of the input.
 
     Args:
-        input: the tensor.
-        min_val: the lower bound. Default: -1.
-        max_val: the upper bound. Default: 1.
-        inplace: overwrite ``input``.
+        input (Tensor): the input.
+        min_val (float): the lower bound. Default: ``-1.0``.
+        max_val (float): the upper bound. Default: ``1.0``.
+        inplace (bool): overwrite ``input`` (any truthy value, as in PyTorch). Default: ``False``.
 
     Returns:
-        The clamped tensor (``input`` itself when ``inplace``).
+        Tensor: the clamped tensor (``input`` itself when ``inplace``).
 
-    Example:
+    Example::
+
         >>> relu_ext.hardtanh(torch.tensor([-2.0, 0.5, 3.0]))
         tensor([-1.0000,  0.5000,  1.0000])
     """
@@ -74,13 +75,14 @@ def relu6(input: Tensor, inplace: bool = False) -> Tensor:
     """Drop-in for ``torch.nn.functional.relu6``: ``hardtanh(input, 0, 6)``.
 
     Args:
-        input: the tensor.
-        inplace: overwrite ``input``.
+        input (Tensor): the input.
+        inplace (bool): overwrite ``input`` (any truthy value, as in PyTorch). Default: ``False``.
 
     Returns:
-        ``min(max(input, 0), 6)`` (``input`` itself when ``inplace``).
+        Tensor: ``min(max(input, 0), 6)`` (``input`` itself when ``inplace``).
 
-    Example:
+    Example::
+
         >>> relu_ext.relu6(torch.tensor([-1.0, 3.0, 7.0]))
         tensor([0., 3., 6.])
     """
@@ -94,14 +96,15 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
     the backward of the in-place form raises for a negative slope.
 
     Args:
-        input: the tensor.
-        negative_slope: the slope below 0. Default: 0.01.
-        inplace: overwrite ``input``.
+        input (Tensor): the input.
+        negative_slope (float): the slope below 0. Default: ``0.01``.
+        inplace (bool): overwrite ``input`` (any truthy value, as in PyTorch). Default: ``False``.
 
     Returns:
-        The activation (``input`` itself when ``inplace``).
+        Tensor: the activation (``input`` itself when ``inplace``).
 
-    Example:
+    Example::
+
         >>> relu_ext.leaky_relu(torch.tensor([-2.0, 3.0]), 0.1)
         tensor([-0.2000,  3.0000])
     """
@@ -117,15 +120,16 @@ def threshold(input: Tensor, threshold: float, value: float, inplace: bool = Fal
     Backward keeps a 1-bit mask (``x > threshold``) instead of the input.
 
     Args:
-        input: the tensor.
-        threshold: the value to threshold at.
-        value: the value that replaces what is not above it.
-        inplace: overwrite ``input``.
+        input (Tensor): the input.
+        threshold (float): the value to threshold at.
+        value (float): the value that replaces what is not above it.
+        inplace (bool): overwrite ``input`` (any truthy value, as in PyTorch). Default: ``False``.
 
     Returns:
-        The thresholded tensor (``input`` itself when ``inplace``).
+        Tensor: the thresholded tensor (``input`` itself when ``inplace``).
 
-    Example:
+    Example::
+
         >>> relu_ext.threshold(torch.tensor([0.5, 2.0]), 1.0, 0.0)
         tensor([0., 2.])
     """
@@ -141,13 +145,14 @@ def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
     Backward keeps a 1-bit mask (``-3 < x < 3``) instead of the input.
 
     Args:
-        input: the tensor.
-        inplace: overwrite ``input``.
+        input (Tensor): the input.
+        inplace (bool): overwrite ``input`` (any truthy value, as in PyTorch). Default: ``False``.
 
     Returns:
-        The activation (``input`` itself when ``inplace``).
+        Tensor: the activation (``input`` itself when ``inplace``).
 
-    Example:
+    Example::
+
         >>> relu_ext.hardsigmoid(torch.tensor([-4.0, 0.0, 4.0]))
         tensor([0.0000, 0.5000, 1.0000])
     """
@@ -158,37 +163,132 @@ def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
 
 
 class Hardtanh(torch.nn.Hardtanh):
-    """Drop-in for ``torch.nn.Hardtanh`` (a subclass: same constructor, repr, state_dict)."""
+    """Drop-in for :class:`torch.nn.Hardtanh`, running :func:`relu_ext.hardtanh`.
+
+    A subclass (see ``help(torch.nn.Hardtanh)``): same constructor, attributes,
+    repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
+
+    TorchScript: an archive of a scripted model that runs it needs
+    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
+    the model first for one that loads without relu_ext).
+
+    Args:
+        min_val (float): the lower bound. Default: ``-1.0``.
+        max_val (float): the upper bound. Default: ``1.0``.
+        inplace (bool): overwrite the input. Default: ``False``.
+
+    Example::
+
+        >>> m = relu_ext.Hardtanh(-2.0, 2.0)
+        >>> m(torch.tensor([-3.0, 0.5, 3.0]))
+        tensor([-2.0000,  0.5000,  2.0000])
+    """
 
     def forward(self, input: Tensor) -> Tensor:
+        """Apply :func:`relu_ext.hardtanh` with this module's arguments."""
         return hardtanh(input, self.min_val, self.max_val, self.inplace)
 
 
 class ReLU6(torch.nn.ReLU6):
-    """Drop-in for ``torch.nn.ReLU6`` (a subclass: same constructor, repr, state_dict)."""
+    """Drop-in for :class:`torch.nn.ReLU6`, running :func:`relu_ext.relu6`.
+
+    A subclass (see ``help(torch.nn.ReLU6)``): same constructor, attributes,
+    repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
+
+    TorchScript: an archive of a scripted model that runs it needs
+    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
+    the model first for one that loads without relu_ext).
+
+    Args:
+        inplace (bool): overwrite the input. Default: ``False``.
+
+    Example::
+
+        >>> m = relu_ext.ReLU6()
+        >>> m(torch.tensor([-1.0, 3.0, 7.0]))
+        tensor([0., 3., 6.])
+    """
 
     def forward(self, input: Tensor) -> Tensor:
+        """Apply :func:`relu_ext.relu6` with this module's arguments."""
         return hardtanh(input, self.min_val, self.max_val, self.inplace)
 
 
 class LeakyReLU(torch.nn.LeakyReLU):
-    """Drop-in for ``torch.nn.LeakyReLU`` (a subclass: same constructor, repr, state_dict)."""
+    """Drop-in for :class:`torch.nn.LeakyReLU`, running :func:`relu_ext.leaky_relu`.
+
+    A subclass (see ``help(torch.nn.LeakyReLU)``): same constructor, attributes,
+    repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
+
+    TorchScript: an archive of a scripted model that runs it needs
+    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
+    the model first for one that loads without relu_ext).
+
+    Args:
+        negative_slope (float): the slope below 0. Default: ``0.01``.
+        inplace (bool): overwrite the input. Default: ``False``.
+
+    Example::
+
+        >>> m = relu_ext.LeakyReLU(0.1)
+        >>> m(torch.tensor([-2.0, 3.0]))
+        tensor([-0.2000,  3.0000])
+    """
 
     def forward(self, input: Tensor) -> Tensor:
+        """Apply :func:`relu_ext.leaky_relu` with this module's arguments."""
         return leaky_relu(input, self.negative_slope, self.inplace)
 
 
 class Threshold(torch.nn.Threshold):
-    """Drop-in for ``torch.nn.Threshold`` (a subclass: same constructor, repr, state_dict)."""
+    """Drop-in for :class:`torch.nn.Threshold`, running :func:`relu_ext.threshold`.
+
+    A subclass (see ``help(torch.nn.Threshold)``): same constructor, attributes,
+    repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
+
+    TorchScript: an archive of a scripted model that runs it needs
+    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
+    the model first for one that loads without relu_ext).
+
+    Args:
+        threshold (float): the value to threshold at.
+        value (float): the value that replaces what is not above it.
+        inplace (bool): overwrite the input. Default: ``False``.
+
+    Example::
+
+        >>> m = relu_ext.Threshold(1.0, 0.0)
+        >>> m(torch.tensor([0.5, 2.0]))
+        tensor([0., 2.])
+    """
 
     def forward(self, input: Tensor) -> Tensor:
+        """Apply :func:`relu_ext.threshold` with this module's arguments."""
         return threshold(input, self.threshold, self.value, self.inplace)
 
 
 class Hardsigmoid(torch.nn.Hardsigmoid):
-    """Drop-in for ``torch.nn.Hardsigmoid`` (a subclass: same constructor, repr, state_dict)."""
+    """Drop-in for :class:`torch.nn.Hardsigmoid`, running :func:`relu_ext.hardsigmoid`.
+
+    A subclass (see ``help(torch.nn.Hardsigmoid)``): same constructor, attributes,
+    repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
+
+    TorchScript: an archive of a scripted model that runs it needs
+    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
+    the model first for one that loads without relu_ext).
+
+    Args:
+        inplace (bool): overwrite the input. Default: ``False``.
+
+    Example::
+
+        >>> m = relu_ext.Hardsigmoid()
+        >>> m(torch.tensor([-4.0, 0.0, 4.0]))
+        tensor([0.0000, 0.5000, 1.0000])
+    """
 
     def forward(self, input: Tensor) -> Tensor:
+        """Apply :func:`relu_ext.hardsigmoid` with this module's arguments."""
         return hardsigmoid(input, self.inplace)
 
 

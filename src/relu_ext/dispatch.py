@@ -46,16 +46,39 @@ _generation = 0  # bumped by uninstall(), which cancels every earlier hold
 
 
 def targets() -> tuple[str, ...]:
-    """The ops :func:`install` can take over: ``relu`` and the family's."""
+    """The ops :func:`install` can take over: ``relu`` and the family's (``relu_ext.install_targets``).
+
+    Returns:
+        tuple[str, ...]: their aten names; each comes with its in-place form.
+
+    Example::
+
+        >>> relu_ext.install_targets()
+        ('relu', 'hardtanh', 'leaky_relu', 'threshold', 'hardsigmoid')
+    """
     return tuple(_C.install_targets())
 
 
 class Installation:
-    """A hold on the installation of some ops, returned by :func:`install`.
+    """A hold on the installation of some ops, returned by :func:`install` (not made directly).
 
     ``remove()`` (or leaving the ``with`` block) gives it back; an op stays
     installed while any other hold on it remains. Removing twice, or after
-    :func:`uninstall`, does nothing.
+    :func:`uninstall`, does nothing. ``with relu_ext.install() as hold:``
+    gives the hold itself; ``active`` says whether it still holds.
+
+    Args:
+        generation (int): the :func:`uninstall` count it was made in (internal).
+        ops (tuple[str, ...]): the ops it holds (also the attribute ``ops``).
+
+    Example::
+
+        >>> hold = relu_ext.install(["relu"])
+        >>> hold.active, relu_ext.installed("relu")
+        (True, True)
+        >>> hold.remove()
+        >>> hold.active, relu_ext.installed("relu")
+        (False, False)
     """
 
     def __init__(self, generation: int, ops: tuple[str, ...]) -> None:
@@ -152,7 +175,18 @@ def install(ops: Iterable[str] | None = None) -> Installation:
 
 
 def uninstall() -> None:
-    """Restore PyTorch's own kernels for every op at once, whatever holds remain (they become inactive)."""
+    """Restore PyTorch's own kernels for every op at once, whatever holds remain (they become inactive).
+
+    Returns:
+        None
+
+    Example::
+
+        >>> hold = relu_ext.install()
+        >>> relu_ext.uninstall()
+        >>> relu_ext.installed(), hold.active
+        (False, False)
+    """
     global _generation
     with _lock:
         _holds.clear()
@@ -161,7 +195,20 @@ def uninstall() -> None:
 
 
 def installed(op: str | None = None) -> bool:
-    """Whether relu_ext's kernels run PyTorch's ``aten::<op>`` now (without ``op``: any of them)."""
+    """Whether relu_ext's kernels run PyTorch's ``aten::<op>`` now.
+
+    Args:
+        op (str, optional): an op of :func:`targets`. Default: any of them.
+
+    Returns:
+        bool: whether it (any of them, without ``op``) is installed.
+
+    Example::
+
+        >>> with relu_ext.install(["relu"]):
+        ...     print(relu_ext.installed("relu"), relu_ext.installed("hardtanh"))
+        True False
+    """
     now = _C.installed()
     return bool(now) if op is None else op in now
 

@@ -73,17 +73,21 @@ for _act in ACTIVATIONS:
 
 
 def aten_decompositions() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
-    """PyTorch's default decompositions plus relu_ext's public ops lowered to aten (``relu`` to ``aten.relu``,
-    ``hardtanh`` to ``aten.hardtanh``, ..., in-place forms included).
+    """PyTorch's default decompositions plus relu_ext's public ops lowered to aten.
 
-    For an exported program that must load where relu_ext is not installed::
+    ``relu`` becomes ``aten.relu``, ``hardtanh`` ``aten.hardtanh``, and so on,
+    in-place forms included. ``run_decompositions()`` without it keeps
+    ``relu_ext.relu``, which a process without relu_ext cannot load. The
+    training pieces ``relu_fwd`` / ``relu_bwd`` have no aten form;
+    ``torch.export`` does not record them.
 
-        ep = torch.export.export(model, args).run_decompositions(relu_ext.aten_decompositions())
-        torch.export.save(ep, "model.pt2")      # holds aten.relu, no relu_ext op
+    Returns:
+        A decomposition table for ``ExportedProgram.run_decompositions``.
 
-    (``run_decompositions()`` without it keeps ``relu_ext.relu``, which a
-    process without relu_ext cannot load.) The training pieces ``relu_fwd``
-    / ``relu_bwd`` have no aten form; ``torch.export`` does not record them.
+    Example::
+
+        ep = torch.export.export(model, (x,)).run_decompositions(relu_ext.aten_decompositions())
+        torch.export.save(ep, "model.pt2")      # aten ops only: loads without relu_ext
     """
     table = dict(torch.export.default_decompositions())
     table[torch.ops.relu_ext.relu.default] = _relu_decomposition

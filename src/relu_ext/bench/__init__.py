@@ -1,31 +1,44 @@
 """relu_ext benchmark: every peer timed in the same run, interleaved, against a copy's bandwidth.
 
     python -m relu_ext.bench [--device cpu|cuda] [--dtypes float32,bfloat16]
-                             [--sizes 65536,...] [--what kernels,small,memory,models,compiled]
+                             [--sizes 65536,...] [--what kernels,family,small,memory,models,compiled]
                              [--models resnet18,...] [--compile-backend inductor]
+                             [--model MODULE:CALLABLE --input-shape N,C,H,W]
                              [--impls torch,torch_out,compile,triton,seed,relu_ext,installed]
                              [--rounds N] [--budget S] [--max-spread F] [--quick]
                              [--malloc steady|as-is] [--cuda-unroll 1|2|4]
                              [--out DIR] [--name NAME] [--no-files]
+
+    python -m relu_ext.bench --quick                  a smoke run of the default sections
+    python -m relu_ext.bench --model mypkg.models:build --input-shape 8,3,224,224
+                                                      your model under the memory section's configurations
 
 Sections (--what):
   kernels  per dtype and size: fwd (no grad), fwd (train: what a training
            forward writes), bwd (from what the forward saved), fwd+bwd
            (autograd.grad) and in-place, for every implementation, plus a
            copy_ into a preallocated buffer: the bandwidth ceiling.
+  family   the same for the family's activations (relu6, leaky_relu, threshold,
+           hardsigmoid): forward, training forward, backward, in place, vs torch.
   small    per call at 1K-64K elements, the fixed cost of a call: no-grad
            forward and fwd+bwd of the function (torch.relu / relu_ext.relu)
            and of the module (nn.ReLU / relu_ext.ReLU).
   memory   bytes saved for backward per element of one activation; and real
            models (torchvision resnet18, resnet50, vgg11, googlenet,
-           densenet121 and a transformers T5 with ReLU, random weights,
-           training mode; --quick: resnet18 and T5 at toy sizes) under four
+           densenet121, mobilenet_v2, a darknet-style CNN and a transformers
+           T5 with ReLU, random weights, training mode; --quick: resnet18 and
+           T5 at toy sizes) under four
            configurations, nn.ReLU, install (relu_ext.install()),
            install+compact (and relu_ext.save_compact()) and nn.ReLU+compact:
            bytes their autograd graph holds after forward (counted exactly
            from what the saved-tensor hooks keep), the peak of one training
            step (one fresh process per configuration) and its time
-           (interleaved rounds), each vs nn.ReLU. --models picks some.
+           (interleaved rounds), each vs nn.ReLU. --models picks some; a model
+           whose package (torchvision, transformers) is missing is skipped, with
+           a line saying so. --model MODULE:CALLABLE --input-shape N,C,H,W runs
+           your own model instead (MODULE: a module name or a .py file;
+           CALLABLE() returns the nn.Module, given a random input of that shape;
+           with --model, --what defaults to memory).
   models   time of one training step (forward, loss, backward, SGD) of three
            small models (MLP, MLP with dropout, CNN with max-pool) with each
            activation.
@@ -64,5 +77,7 @@ busy machine (load average at least half the CPUs) is warned about at start.
 
 Writes NAME.json (every figure, every round, and the environment) and NAME.png
 (GB/s vs size per dtype and case, per-call time of small tensors, memory) into
---out (default bench/out, ignored by git; NAME has date and time).
+--out DIR, by default into the current folder as relu_ext-bench-NAME.*; NAME has
+the device, the CPU or GPU, the date and the time, so a run never overwrites
+another. --no-files: the tables only.
 """

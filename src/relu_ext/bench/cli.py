@@ -37,10 +37,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", help="comma-separated element counts for the kernel section "
                                    "(default: 64K-64M on CPU, 64K-256M on CUDA; --quick: three sizes). "
                                    "On CPU, seed and compile are timed up to 16M elements")
-    p.add_argument("--what", default=",".join(DEFAULT_SECTIONS), help=f"sections, from {SECTIONS} (default: all "
-                                                                       "but compiled)")
+    p.add_argument("--what", help=f"sections, from {SECTIONS} (default: all but compiled; with --model: memory)")
     p.add_argument("--models", help=f"real models of the memory and compiled sections, from {real.MODELS} (default: "
-                                    f"all; --quick: {','.join(real.QUICK_MODELS)})")
+                                    f"all; --quick: {','.join(real.QUICK_MODELS)}; with --model: none of them). "
+                                    "A model whose package (torchvision, transformers) is missing is skipped")
+    p.add_argument("--model", action="append", default=[], metavar="MODULE:CALLABLE",
+                   help="your own model in the memory and compiled sections (repeatable): CALLABLE() in MODULE (a "
+                        "module name, or a path to a .py file) returns the nn.Module, whose forward takes one "
+                        "floating-point tensor of --input-shape and returns a tensor; random input, its loss the "
+                        "output's mean square")
+    p.add_argument("--input-shape", action="append", default=[], metavar="N,C,H,W",
+                   help="the input's shape for --model, e.g. 2,3,224,224: once for every --model, or once per "
+                        "--model in the same order")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the compiled section (default inductor)")
     p.add_argument("--impls", default=",".join(peers.IMPLS), help="implementations (triton: CUDA only)")
@@ -61,15 +69,58 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a smoke run in under a minute on 2 cores: three sizes per section, fewer and shorter "
                         "rounds, tiny models")
-    p.add_argument("--out", default=os.path.join("bench", "out"),
-                   help="folder for NAME.json and NAME.png (default: bench/out, which git ignores; "
-                        "`make bench-results` writes to the committed bench/results on purpose)")
-    p.add_argument("--name", help="file name stem (default: device-model-dateTtime)")
+    p.add_argument("--out", metavar="DIR",
+                   help="folder for NAME.json and NAME.png (default: the current folder, where NAME starts with "
+                        "relu_ext-bench-)")
+    p.add_argument("--name", help="file name stem (default: device-model-dateTtime, e.g. "
+                                  "cpu-amd-epyc-2t-2026-11-24T2325; relu_ext-bench- before it without --out)")
     p.add_argument("--no-files", action="store_true", help="print the tables only")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress on stderr (default: a bar on a terminal, else a line every 15 s)")
     p.add_argument("--peak-worker", help=argparse.SUPPRESS)
     return p
+
+
+def fail(p: argparse.ArgumentParser, message: str) -> None:
+    """Exits with one line (p.error would print the whole usage above it)."""
+    p.exit(2, f"{p.prog}: error: {message}\n")
+
+
+def parse_shape(text: str) -> list[int]:
+    """"2,3,224,224" -> [2, 3, 224, 224]; ValueError unless positive integers."""
+    shape = [int(v) for v in text.split(",")]
+    if not shape or min(shape) < 1:
+        raise ValueError(text)
+    return shape
+
+
+def user_models(p: argparse.ArgumentParser, args: argparse.Namespace, what: list[str]) -> dict[str, list[int]]:
+    """Each --model and its input shape, the model built and run once (a model that cannot run
+    fails here, in one line, rather than in a worker process minutes later)."""
+    if not args.model:
+        if args.input_shape:
+            fail(p, "--input-shape is the input of a --model; no --model given")
+        return {}
+    if not {"memory", "compiled"} & set(what):
+        fail(p, f"--model runs in the memory and compiled sections; --what {','.join(what)} has neither")
+    if not args.input_shape:
+        fail(p, "--model needs --input-shape, the shape of the model's input, e.g. --input-shape 2,3,224,224")
+    if len(args.input_shape) not in (1, len(args.model)):
+        fail(p, f"--input-shape given {len(args.input_shape)} times for {len(args.model)} --model: give it once "
+                "for all, or once per --model")
+    shapes = []
+    for text in args.input_shape:
+        try:
+            shapes.append(parse_shape(text))
+        except ValueError:
+            fail(p, f"--input-shape {text!r}: expected positive integers separated by commas, e.g. 2,3,224,224")
+    pairs = dict(zip(args.model, shapes * len(args.model) if len(shapes) == 1 else shapes))
+    for target, shape in pairs.items():
+        try:
+            real.check_user_model(target, shape, args.device)
+        except real.UserModelError as err:
+            fail(p, str(err))
+    return pairs
 
 
 def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:
@@ -78,19 +129,23 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
     args = p.parse_args(argv)
     if args.peak_worker:
         return args, {}
-    what = args.what.split(",")
+    what = (args.what or ("memory" if args.model else ",".join(DEFAULT_SECTIONS))).split(",")
     unknown = (set(what) - set(SECTIONS)) | (set(args.impls.split(",")) - set(peers.IMPLS))
     if unknown:
         p.error(f"unknown section or implementation: {sorted(unknown)}")
     if args.device not in ("cpu", "cuda"):
         p.error(f"--device {args.device}: relu_ext has kernels for cpu and cuda")
     if args.device == "cuda" and not relu_ext.cuda_available():
-        p.error("--device cuda needs a relu_ext built with its CUDA kernels")
+        p.error("--device cuda: " + ("this relu_ext build has no CUDA kernels" if not relu_ext.build_info()["cuda"]
+                                      else "torch sees no GPU"))
     if args.cuda_unroll is not None:
         if args.device != "cuda":
             p.error(f"--cuda-unroll {args.cuda_unroll}: applies to --device cuda only")
         relu_ext._C.set_cuda_unroll(args.cuda_unroll)
-    names = args.models.split(",") if args.models else (real.QUICK_MODELS if args.quick else real.MODELS)
+    if args.models:
+        names = args.models.split(",")
+    else:  # the user's own models (--model) replace the built-in ones
+        names = [] if args.model else real.QUICK_MODELS if args.quick else real.MODELS
     if set(names) - set(real.MODELS):
         p.error(f"--models: {sorted(set(names) - set(real.MODELS))} not among {real.MODELS}")
     for d in args.dtypes.split(","):
@@ -102,6 +157,9 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
         p.error(f"--rounds {rounds}: must be at least 1")
     if args.budget is not None and args.budget <= 0:
         p.error(f"--budget {args.budget}: must be above 0 seconds")
+    shapes = user_models(p, args, what)
+    # Only where they would run: importing torchvision and transformers takes seconds.
+    skipped = {n: why for n in names if {"memory", "compiled"} & set(what) and (why := real.missing(n))}
     default_sizes = (QUICK_SIZES if args.quick else DEFAULT_SIZES)[args.device]
     config = {
         "device": args.device,
@@ -109,7 +167,9 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
         "sizes": [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes,
         "small_sizes": QUICK_SMALL_SIZES if args.quick else SMALL_SIZES,
         "what": what,
-        "models": names,
+        "models": [n for n in names if n not in skipped] + list(shapes),
+        "input_shapes": shapes,
+        "skipped_models": skipped,
         "compile_backend": args.compile_backend,
         "impls": [i for i in args.impls.split(",") if i in peers.available_impls(args.device)],
         "rounds": rounds,
@@ -184,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warning = timing.load_warning(env["load_start"])
     if warning:
         print(warning, file=sys.stderr)
+    for name, why in config["skipped_models"].items():
+        print(f"skipped {name}: {why}", flush=True)
     mode = ("bar" if sys.stderr.isatty() else "lines") if args.progress is not False else "off"
     progress = timing.Progress(_steps(config), mode)
     device, impls, rounds, what = config["device"], config["impls"], config["rounds"], config["what"]
@@ -200,14 +262,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    config["small_budget_s"], config["max_spread"], progress)
     if "memory" in what:
         result["memory"] = models.run_memory(device, dtypes, impls, config["models"], config["quick"], rounds,
-                                             config["budget_s"], config["max_spread"], progress)
+                                             config["budget_s"], config["max_spread"], progress, config["input_shapes"])
     if "models" in what:
         result["models"] = models.run_models(device, impls, rounds, config["budget_s"], config["quick"], progress,
                                              config["max_spread"])
     if "compiled" in what:
         result["compiled"] = {"models": real.run(device, dtypes, config["models"], config["quick"], rounds,
                                                  config["budget_s"], config["max_spread"], progress,
-                                                 real.COMPILED_CONFIGS, config["compile_backend"])}
+                                                 real.COMPILED_CONFIGS, config["compile_backend"],
+                                                 config["input_shapes"])}
     rows = result.get("kernels", []) + result.get("family", []) + result.get("small", [])
     timing.mark_copy_low(rows, config["copy_low"])
     timed_models = result.get("models", []) + result.get("memory", {}).get("models", []) \
@@ -218,8 +281,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     print(report.format_tables(result))
     if not args.no_files:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, args.name or report.default_name(env))
+        # In a folder of its own a result needs no prefix; among a user's other files it does.
+        name = args.name or ("" if args.out else "relu_ext-bench-") + report.default_name(env)
+        os.makedirs(args.out or ".", exist_ok=True)
+        stem = os.path.join(args.out or ".", name)
         with open(stem + ".json", "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {stem}.json")

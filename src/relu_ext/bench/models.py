@@ -131,9 +131,11 @@ def peak_of(step: Callable[[], Tensor], device: str) -> dict[str, Any]:
 
 
 def run_memory(device: str, dtypes: list[torch.dtype], impls: list[str], names: list[str], quick: bool, rounds: int,
-               budget_s: float, max_spread: float, progress: timing.Progress) -> dict[str, Any]:
+               budget_s: float, max_spread: float, progress: timing.Progress,
+               shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """Bytes saved per element of one activation for each dtype and implementation, and the
-    real models' held bytes, peak and step time under each memory configuration (real.py)."""
+    real models' held bytes, peak and step time under each memory configuration (real.py;
+    `shapes`: the input shape of each user model among `names`)."""
     from . import real
 
     per_element = []
@@ -141,7 +143,7 @@ def run_memory(device: str, dtypes: list[torch.dtype], impls: list[str], names: 
         progress.step(f"memory saved bytes {peers.dtype_name(dtype)}")
         per_element.append({"dtype": peers.dtype_name(dtype),
                             "bytes_per_element": saved_bytes_per_element(device, dtype, impls)})
-    rows = real.run(device, dtypes, names, quick, rounds, budget_s, max_spread, progress)
+    rows = real.run(device, dtypes, names, quick, rounds, budget_s, max_spread, progress, shapes=shapes)
     return {"saved_per_element": per_element, "models": rows}
 
 

@@ -10,6 +10,10 @@ section): ``compile nn.ReLU`` (torch.compile of the model as it is) and ``compil
 as it is, so it fuses nothing into it). install() and save_compact() change nothing in a
 compiled graph (it calls no eager ReLU kernel, and saves no ReLU output of eager autograd),
 so they have no compiled configuration.
+
+User models (``--model MODULE:CALLABLE --input-shape 2,3,224,224``): CALLABLE() returns the
+nn.Module, whose forward takes one floating-point tensor of that shape; it runs under the same
+configurations, named in the rows as MODULE:CALLABLE.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import functools
+import importlib
+import importlib.util
 import json
+import os
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -33,9 +41,91 @@ MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "mobilene
 QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
 CONFIGS = ["nn.ReLU", "install", "install+compact", "nn.ReLU+compact"]
 COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
+# The package each built-in model needs beyond torch (None: built here); the others need torchvision.
+NEEDS = {"darknet": None, "t5_relu": "transformers"}
 # Images per batch at 112x112 (64x64 with --quick): what this 2-core machine steps through in about a second.
 BATCH = {"resnet18": 16, "resnet50": 8, "vgg11": 8, "googlenet": 16, "densenet121": 8, "mobilenet_v2": 16,
          "darknet": 16, "t5_relu": 8}
+
+
+class UserModelError(ValueError):
+    """A --model that cannot be benchmarked; the message is one line for the user."""
+
+
+def missing(name: str) -> str | None:
+    """Why a built-in model cannot run here (the package it needs does not import), or None."""
+    package = NEEDS.get(name, "torchvision")
+    if package is None or is_user_model(name):
+        return None
+    try:
+        importlib.import_module(package)
+    except ModuleNotFoundError as err:
+        if err.name == package:
+            return f"{package} is not installed"
+        return f"{package} cannot be imported: {_one_line(err)}"
+    except Exception as err:  # a broken install (say, built for another torch) fails in many ways
+        return f"{package} cannot be imported: {_one_line(err)}"
+    return None
+
+
+def is_user_model(name: str) -> bool:
+    """A --model MODULE:CALLABLE (the built-in names have no colon)."""
+    return ":" in name
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+def load_user_model(target: str) -> nn.Module:
+    """The nn.Module that MODULE:CALLABLE returns; MODULE is importable or a path to a .py file,
+    CALLABLE an attribute of it (dots for nested ones), called with no arguments."""
+    module_name, _, attr = target.rpartition(":")  # rpartition: a path may hold a drive's colon
+    if not module_name or not attr:
+        raise UserModelError(f"--model {target}: expected MODULE:CALLABLE, e.g. mypackage.models:build")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise FileNotFoundError(f"no file {module_name}")
+            spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses and pickling look classes up there
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as err:
+        raise UserModelError(f"--model {target}: cannot import {module_name}: {_one_line(err)}") from None
+    try:
+        build = functools.reduce(getattr, attr.split("."), module)
+    except AttributeError:
+        raise UserModelError(f"--model {target}: {module_name} has no attribute {attr!r}") from None
+    if not callable(build):
+        raise UserModelError(f"--model {target}: {attr} is of type {type(build).__name__}, not callable")
+    try:
+        model = build()
+    except Exception as err:
+        raise UserModelError(f"--model {target}: {attr}() failed: {_one_line(err)}") from None
+    if not isinstance(model, nn.Module):
+        raise UserModelError(f"--model {target}: {attr}() returned a value of type {type(model).__name__}, "
+                             "not a torch.nn.Module")
+    return model
+
+
+def check_user_model(target: str, shape: Sequence[int], device: str) -> None:
+    """Builds the model and runs one forward (training mode, float32, no grad), so that a model
+    that cannot run fails here with one line rather than in a worker process."""
+    model = load_user_model(target).to(device).train()
+    try:
+        with torch.no_grad():
+            out = model(torch.randn(*shape, device=device))
+    except Exception as err:
+        raise UserModelError(f"--model {target}: a forward on a float32 input of shape "
+                             f"{'x'.join(map(str, shape))} failed: {_one_line(err)}") from None
+    if not isinstance(out, Tensor) or not out.is_floating_point():
+        what = f"a {out.dtype} tensor" if isinstance(out, Tensor) else f"a {type(out).__name__}"
+        raise UserModelError(f"--model {target}: its forward returned {what}; the benchmark needs a floating-point "
+                             f"tensor (its loss is the output's mean square)")
 
 
 def darknet(width: int = 32, classes: int = 1000) -> nn.Sequential:
@@ -58,10 +148,14 @@ def darknet(width: int = 32, classes: int = 1000) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def build(name: str, dtype: torch.dtype, device: str, quick: bool) -> tuple[nn.Module, Any]:
-    """(model in training mode, its inputs), random weights, seeded."""
+def build(name: str, dtype: torch.dtype, device: str, quick: bool,
+          shape: Sequence[int] | None = None) -> tuple[nn.Module, Any]:
+    """(model in training mode, its inputs), random weights, seeded; `shape`: a user model's input."""
     torch.manual_seed(0)
-    if name == "t5_relu":
+    if is_user_model(name):
+        model = load_user_model(name)
+        inputs = torch.randn(*shape, dtype=dtype, device=device)
+    elif name == "t5_relu":
         import transformers
 
         width = 64 if quick else 256
@@ -90,7 +184,9 @@ def build(name: str, dtype: torch.dtype, device: str, quick: bool) -> tuple[nn.M
 
 
 def describe(name: str, inputs: Any) -> str:
-    """The input, for the table: batch x 3 x side^2, or batch x tokens."""
+    """The input, for the table: batch x 3 x side^2, batch x tokens, or a user model's whole shape."""
+    if is_user_model(name):
+        return "x".join(map(str, inputs.shape))
     if isinstance(inputs, dict):
         b, n = inputs["input_ids"].shape
         return f"{b}x{n} tok"
@@ -174,43 +270,61 @@ def peak_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """In this (fresh) process, for one configuration: the peak of one training step of each
     model and dtype above what was live before it (models.peak_of)."""
     device, config, quick = spec["device"], spec["config"], spec["quick"]
+    # The parent's import path, after this process's own: where the parent found a user's module.
+    sys.path.extend(p for p in spec.get("path", []) if p not in sys.path)
     if device == "cpu":
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave at once
     out: dict[str, Any] = {}
     for name in spec["models"]:
         for dtype in spec["dtypes"]:
-            model, inputs = build(name, getattr(torch, dtype), device, quick)
+            model, inputs = build(name, getattr(torch, dtype), device, quick, spec.get("shapes", {}).get(name))
             model = prepare(model, config, spec["backend"])
             step = step_fn(model, inputs, config)
             with step.context():
                 step()  # gradients exist from here on (and a compiled model is compiled)
                 out[f"{name}/{dtype}"] = models.peak_of(step, device)
             del model, inputs, step
-            torch._dynamo.reset()  # compiled code of this model: not kept for the next
+            forget_compiled()
     return out
+
+
+def forget_compiled() -> None:
+    """Drops the compiled code of the model just measured, so the next one starts clean. Without a
+    compiled configuration torch._dynamo was never imported (and importing it takes seconds)."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """peak_worker(spec) in a fresh process (`python -m relu_ext.bench --peak-worker SPEC`)."""
+    out = subprocess.run([sys.executable, "-m", "relu_ext.bench", "--peak-worker", json.dumps(spec)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory peak worker for {spec['config']} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, rounds: int, budget_s: float,
         max_spread: float, progress: timing.Progress, configs: list[str] = CONFIGS,
-        backend: str = "inductor") -> list[dict[str, Any]]:
+        backend: str = "inductor", shapes: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
     """One row per model and dtype: held bytes, peak and step time of each configuration,
     and each vs the first configuration's (nn.ReLU, or compile nn.ReLU). Step times run
-    interleaved in rounds; peaks come from one fresh process per configuration."""
+    interleaved in rounds; peaks come from one fresh process per configuration.
+    `shapes`: the input shape of each user model (MODULE:CALLABLE) among `names`."""
+    if not names:
+        return []
+    shapes = shapes or {}
     peaks = {}
     for config in configs:
         progress.step(f"memory peak {config}")
-        spec = {"device": device, "config": config, "quick": quick, "models": names, "backend": backend,
-                "dtypes": [peers.dtype_name(d) for d in dtypes]}
-        out = subprocess.run([sys.executable, "-m", "relu_ext.bench", "--peak-worker", json.dumps(spec)],
-                             capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            raise RuntimeError(f"memory peak worker for {config} failed:\n{out.stderr[-3000:]}")
-        peaks[config] = json.loads(out.stdout.strip().splitlines()[-1])
+        peaks[config] = run_worker({"device": device, "config": config, "quick": quick, "models": names,
+                                    "backend": backend, "dtypes": [peers.dtype_name(d) for d in dtypes],
+                                    "shapes": shapes, "path": sys.path})
     base = configs[0]
     rows = []
     for name in names:
         for dtype in dtypes:
-            model, inputs = build(name, dtype, device, quick)
+            model, inputs = build(name, dtype, device, quick, shapes.get(name))
             key = f"{name}/{peers.dtype_name(dtype)}"
             run_as = {config: prepare(model, config, backend) for config in configs}
             held = {}
@@ -230,10 +344,10 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
             rows.append({"model": name, "dtype": peers.dtype_name(dtype), "input": describe(name, inputs),
                          "results": results})
             del model, inputs, run_as, steps
-            torch._dynamo.reset()
+            forget_compiled()
     return rows
 
 
 def steps(dtypes: int, models: int, configs: int, rounds: int) -> int:
     """Progress steps of run()."""
-    return configs + models * dtypes * configs * (1 + rounds)
+    return (configs + models * dtypes * configs * (1 + rounds)) if models else 0

@@ -104,43 +104,67 @@ def _pct(f: float) -> str:
     return f"{f:4.0%}" if f < 9.995 else f"{f:3.0f}x"
 
 
-def _grid(rows: list[dict[str, Any]], title: str, lead_head: str, lead: Callable[[dict[str, Any]], str],
-          cell: Callable[[str, dict[str, Any]], str], width: Callable[[str], int]) -> list[str]:
-    """One block per dtype; one line per row, one column per implementation present."""
+def _grid(rows: list[dict[str, Any]], title: str, lead_head: tuple[str, str], lead: Callable[[dict[str, Any]], str],
+          cell: Callable[[str, dict[str, Any]], str], units: Callable[[str], str]) -> list[str]:
+    """One block per dtype; one line per row, one column per implementation present. Two header
+    lines: the dtype, lead_head[0] (its end) and the implementations' names; then lead_head[1]
+    (the lead's column names) and each cell's figures (`units`, as wide as a cell)."""
     if not rows:
         return []
     impls = [i for i in peers.IMPLS if any(i in r["results"] for r in rows)]
+    names, columns = lead_head
     lines = ["", title]
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
-        head = f"{dtype:<{len(lead_head)}}" + " ".join(f"{i:>{width(i)}}" for i in impls)
-        lines += [head, "-" * len(head)]
+        head = f"{dtype:<{len(columns) - len(names)}}{names}" + " ".join(f"{i:>{len(units(i))}}" for i in impls)
+        lines += [head, columns + " ".join(units(i) for i in impls), "-" * len(head)]
         for r in (r for r in rows if r["dtype"] == dtype):
-            lines.append(lead(r) + " ".join(cell(i, r["results"][i]) if i in r["results"] else " " * width(i)
+            lines.append(lead(r) + " ".join(cell(i, r["results"][i]) if i in r["results"] else " " * len(units(i))
                                             for i in impls))
     return lines
 
 
+def _kernel_grid(rows: list[dict[str, Any]], title: str, case_width: int) -> list[str]:
+    """The kernel and family tables: per row its size, case and the copy's GB/s; per
+    implementation GB/s, fraction of the copy's GB/s and (but torch's) time vs torch."""
+    return _grid(rows, title, (f"{'copy':>5}  ", f"{'size':>4} {'case':{case_width}} {'GB/s':>5}  "),
+                 lambda r: f"{size_label(r['numel']):>4} {r['case']:{case_width}} {_gbs(r['copy_gbs'])}"
+                           f"{'!' if timing.COPY_LOW_MARK in r['marks'] else ' '} ",
+                 lambda i, c: (f"{_gbs(c['gbs'])} {_pct(c['of_copy'])}" + ("" if i == "torch" else f" {_ratio(_vs(c))}")
+                               + _mark(c["marks"])),
+                 lambda i: " GB/s copy " + ("" if i == "torch" else "vs T "))
+
+
+def _fig(v: float) -> str:
+    """About three significant digits in 9 columns: 316, 83.5, 1.25 (tiny user models: 0.03)."""
+    return f"{v:9.{2 if v < 10 else 1 if v < 100 else 0}f}"
+
+
 def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training mode") -> list[str]:
     """The real models' table: per model and dtype, for each configuration, MiB held by the
-    graph after forward, peak MiB of a training step and its time, each with its ratio to
-    the first configuration's (nn.ReLU, or compile nn.ReLU; <1: less)."""
+    graph after forward, peak MiB of a training step and its time in ms, each with its ratio
+    to the first configuration's (nn.ReLU, or compile nn.ReLU; <1: less). The model, its
+    dtype and its input stack in the first column; a longer (user) model name gets a line of its own."""
     if not rows:
         return []
     configs = list(rows[0]["results"])
+    lead = min(26, max(14, *(len(r[k]) for r in rows for k in ("model", "dtype", "input"))))
     lines = ["", f"{title}: value and vs {configs[0]} (<1 less) for each configuration",
-             f"{'model':12} {'dtype':8} {'input':10} {'':5}" + "".join(f"{c:>17}" for c in configs)]
-    metrics = [("held", lambda m: m["held_bytes"] / 2**20, "held_vs_torch", "MiB"),
-               ("peak", lambda m: None if m["peak_bytes"] is None else m["peak_bytes"] / 2**20, "peak_vs_torch", "MiB"),
-               ("step", lambda m: m["median_s"] * 1e3, "vs_torch", "ms")]
+             f"{'model':{lead}} {'':9}" + "".join(f"{c:>21}" for c in configs),
+             f"{'  dtype, input':{lead}} {'metric':9}" + f"{'value':>9}{'x vs torch':>11} " * len(configs)]
+    lines.append("-" * len(lines[-1]))
+    metrics = [("held MiB", lambda m: m["held_bytes"] / 2**20, "held_vs_torch"),
+               ("peak MiB", lambda m: None if m["peak_bytes"] is None else m["peak_bytes"] / 2**20, "peak_vs_torch"),
+               ("step ms", lambda m: m["median_s"] * 1e3, "vs_torch")]
     for r in rows:
-        for k, (label, value, ratio, unit) in enumerate(metrics):
-            lead = f"{r['model']:12} {r['dtype']:8} {r['input']:10} " if k == 0 else " " * 33
-            cells = []
-            for m in r["results"].values():
-                v, q = value(m), m[ratio]
-                cell = (f"{v:9.1f}" if v is not None else f"{'n/a':>9}") + (f" {q:5.2f}" if q is not None else "   n/a")
-                cells.append(f"{cell:>16}" + (_mark(m["marks"]) if label == "step" else " "))
-            lines.append(f"{lead}{label + ' ' + unit:>5}"[:38].ljust(38) + "".join(cells))
+        model = r["model"]
+        if len(model) > lead:
+            lines.append(model[:WIDTH])
+            model = ""
+        for name, (label, value, ratio) in zip((model, "  " + r["dtype"], "  " + r["input"]), metrics):
+            cells = [(f"{'n/a':>9}" if value(m) is None else _fig(value(m)))
+                     + (f"{'n/a':>11}" if m[ratio] is None else f"{m[ratio]:11.2f}")
+                     + (_mark(m["marks"]) if label == "step ms" else " ") for m in r["results"].values()]
+            lines.append(f"{name[:lead]:{lead}} {label:9}" + "".join(cells))
     methods = {m["peak_method"] for r in rows for m in r["results"].values()}
     lines.append("  held: distinct storages kept by saved tensors (parameters and inputs aside), exact")
     lines.append(f"  peak: {', '.join(sorted(methods))}"[:WIDTH])
@@ -162,29 +186,19 @@ def format_tables(result: dict[str, Any]) -> str:
                   f"(spread > {trust['max_spread']:.0%}),",
                   f"! the row's copy ran below {trust['copy_low']:.0%} of this run's best copy at that size (machine busy). "
                   f"Do not trust marked figures."]
-    lines += _grid(result.get("kernels", []),
-                   "kernels: GB/s, % of copy, time vs torch (<1 faster); copy: GB/s of a copy_ of the same size;\n"
-                   "compact, expand (no torch counterpart): time vs that copy instead of vs torch",
-                   f"{'':4} {'case':11} {'copy':>5}  ",
-                   lambda r: f"{size_label(r['numel']):>4} {r['case']:11} {_gbs(r['copy_gbs'])}"
-                             f"{'!' if timing.COPY_LOW_MARK in r['marks'] else ' '} ",
-                   lambda i, c: (f"{_gbs(c['gbs'])} {_pct(c['of_copy'])}" + ("" if i == "torch" else f" {_ratio(_vs(c))}")
-                                 + _mark(c["marks"])),
-                   lambda i: 11 if i == "torch" else 16)
-    lines += _grid(result.get("family", []),
-                   "the family's kernels: GB/s, % of copy, time vs torch (<1 faster); bwd: torch's *_backward reads\n"
-                   "the saved input and the gradient, relu_ext's reads the 1-bit mask and the gradient",
-                   f"{'':4} {'case':23} {'copy':>5}  ",
-                   lambda r: f"{size_label(r['numel']):>4} {r['case']:23} {_gbs(r['copy_gbs'])}"
-                             f"{'!' if timing.COPY_LOW_MARK in r['marks'] else ' '} ",
-                   lambda i, c: (f"{_gbs(c['gbs'])} {_pct(c['of_copy'])}" + ("" if i == "torch" else f" {_ratio(_vs(c))}")
-                                 + _mark(c["marks"])),
-                   lambda i: 11 if i == "torch" else 16)
-    lines += _grid(result.get("small", []), "small tensors, per call: microseconds, time vs torch (<1 faster)",
-                   f"{'':4} {'case':14} ",
+    lines += _kernel_grid(result.get("kernels", []),
+                          "kernels: GB/s of a copy_ of the same size (the ceiling) and of each implementation; copy: "
+                          "its % of the copy's\nGB/s; vs T: its time vs torch's (<1 faster; compact, expand, which "
+                          "torch lacks: vs the copy's)", 11)
+    lines += _kernel_grid(result.get("family", []),
+                          "the family's kernels: GB/s, copy: % of a copy's GB/s, vs T: time vs torch's (<1 "
+                          "faster); bwd: torch's\n*_backward reads the saved input and the gradient, relu_ext's "
+                          "the 1-bit mask and the gradient", 23)
+    lines += _grid(result.get("small", []), "small tensors, per call: microseconds, time vs torch's (<1 faster)",
+                   ("", f"{'size':>4} {'case':14} "),
                    lambda r: f"{size_label(r['numel']):>4} {r['case']:14}{'!' if timing.COPY_LOW_MARK in r['marks'] else ' '}",
                    lambda i, c: f"{c['median_s'] * 1e6:7.2f} {_ratio(c['vs_torch'])}{_mark(c['marks'])}",
-                   lambda i: 13)
+                   lambda i: "     µs vs T ")
     memory = result.get("memory")
     if memory:
         lines += ["", "memory saved for backward, bytes per element of one activation"]
