@@ -204,6 +204,24 @@ def test_convert_and_revert_log_what_they_swapped(caplog):
     ]
 
 
+def test_convert_logs_the_activations_it_left_alone(caplog):
+    class MyReLU(torch.nn.ReLU):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.GELU(), torch.nn.SiLU(), torch.nn.GELU(), MyReLU(),
+                                torch.nn.Hardswish())
+    with caplog.at_level(logging.INFO, logger="relu_ext"):
+        relu_ext.convert(model)
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "relu_ext"]
+    assert message == ("relu_ext.convert: swapped 1 module(s) in Sequential: 1 torch.nn.ReLU -> relu_ext.ReLU; "
+                       "left alone: 2 torch.nn.GELU, 1 torch.nn.SiLU, 1 MyReLU, 1 torch.nn.Hardswish")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="relu_ext"), pytest.warns(UserWarning, match="nothing to swap"):
+        relu_ext.convert(torch.nn.Sequential(torch.nn.GELU()))
+    assert [r.getMessage() for r in caplog.records if r.name == "relu_ext"] == [
+        "relu_ext.convert: Sequential; left alone: 1 torch.nn.GELU"]
+
+
 @pytest.mark.parametrize("fn", ["convert", "revert"])
 @pytest.mark.parametrize("arg", [torch.randn(3), None, [torch.nn.ReLU()]], ids=["Tensor", "NoneType", "list"])
 def test_convert_and_revert_take_only_modules(fn, arg):
@@ -349,15 +367,34 @@ def test_help_of_each_name_is_short(name):
 # --- TorchScript archives of converted models ----------------------------------------------
 
 
+@pytest.mark.parametrize("module", [relu_ext.ReLU(), relu_ext.ReLU6(), relu_ext.LeakyReLU(0.1), relu_ext.Hardsigmoid()],
+                         ids=lambda m: type(m).__name__)
+def test_torchscript_of_a_relu_ext_module_warns(module):
+    """Scripting or tracing a model with relu_ext's modules warns that its archive needs relu_ext."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), module)
+    name = type(module).__name__
+    with pytest.warns(UserWarning, match=rf"relu_ext.{name} under torch.jit.script: .*needs `import relu_ext`"):
+        torch.jit.script(model)
+    with pytest.warns(UserWarning, match=rf"relu_ext.{name} under torch.jit.trace: .*needs `import relu_ext`"):
+        torch.jit.trace(model, (torch.randn(2, 4),))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="relu_ext")
+        model(torch.randn(2, 4))  # eager: no warning
+
+
 def test_torchscript_archive_of_converted_model_needs_relu_ext(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2)).eval()
     x = torch.randn(3, 4)
     want = model(x)
     relu_ext.convert(model)
-    torch.jit.save(torch.jit.script(model), tmp_path / "converted.pt")
+    with pytest.warns(UserWarning, match=r"relu_ext.ReLU under torch.jit.script: .*relu_ext.revert\(model\)"):
+        scripted = torch.jit.script(model)
+    torch.jit.save(scripted, tmp_path / "converted.pt")
     relu_ext.revert(model)
-    torch.jit.save(torch.jit.script(model), tmp_path / "reverted.pt")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="relu_ext")  # nothing of relu_ext's left: no warning of ours
+        torch.jit.save(torch.jit.script(model), tmp_path / "reverted.pt")
     torch.save(x, tmp_path / "x.pt")
     code = f"""
 import sys, torch

@@ -668,7 +668,12 @@ print("loaded and equal")
 
 def test_lowered_export_loads_in_a_process_without_relu_ext(tmp_path):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), relu_ext.ReLU(), torch.nn.Linear(8, 4), relu_ext.ReLU(inplace=True))
+    model = torch.nn.Sequential(  # ReLU and every activation of the family, in place and not
+        torch.nn.Linear(8, 8), relu_ext.ReLU(), torch.nn.Linear(8, 8), relu_ext.ReLU(inplace=True),
+        torch.nn.Linear(8, 8), relu_ext.ReLU6(inplace=True), torch.nn.Linear(8, 8), relu_ext.Hardtanh(-0.5, 0.5),
+        torch.nn.Linear(8, 8), relu_ext.LeakyReLU(0.1), torch.nn.Linear(8, 8), relu_ext.Threshold(0.1, -2.0),
+        torch.nn.Linear(8, 8), relu_ext.Hardsigmoid(inplace=True), torch.nn.Linear(8, 4),
+    )
     x = torch.randn(3, 8)
     ep = torch.export.export(model, (x,))
     torch.save((x, model(x).detach()), tmp_path / "io.pt")

@@ -175,3 +175,23 @@ def test_version_is_written_once():
     config = tomllib.loads(pyproject.read_text())
     assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
     assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "relu_ext.__version__"}
+
+
+def test_classifiers_match_requires_python():
+    """The Python classifiers run from requires-python's floor to the newest listed, and
+    every Python source of the package and its tests parses as that floor's syntax (CI
+    runs 3.11 only: this is what it can check of the others)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
+    pyproject = ROOT / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("not run from a source tree")
+    project = tomllib.loads(pyproject.read_text())["project"]
+    floor = tuple(int(p) for p in re.fullmatch(r">=(\d+)\.(\d+)", project["requires-python"]).groups())
+    listed = sorted(tuple(int(p) for p in c.rsplit(" ", 1)[1].split("."))
+                    for c in project["classifiers"] if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
+    assert listed[0] == floor and listed == [(3, m) for m in range(floor[1], listed[-1][1] + 1)], listed
+    assert (3, sys.version_info.minor) in listed
+    import ast
+
+    for path in [*(ROOT / "src").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]:
+        ast.parse(path.read_text(), filename=str(path), feature_version=floor)

@@ -11,8 +11,9 @@ fake kernels, vmap rules, exporters, ``install()``, ``convert()`` and
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -162,7 +163,35 @@ def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
     return _ops.hardsigmoid(input)
 
 
-class Hardtanh(torch.nn.Hardtanh):
+class TorchScriptNote:
+    """What relu_ext's modules add to their ``torch.nn`` class: a warning when
+    TorchScript records one (``torch.jit.script`` or ``torch.jit.trace``). The
+    graph then holds ``relu_ext::`` ops, so an archive saved with
+    ``torch.jit.save`` needs ``import relu_ext`` before ``torch.jit.load``;
+    nothing in eager mode pays for the check."""
+
+    def __prepare_scriptable__(self) -> Any:
+        # torch.jit.script calls this on every submodule before compiling.
+        _warn_torchscript(self, "torch.jit.script")
+        return self
+
+    def _slow_forward(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module calls this instead of forward while torch.jit.trace records.
+        _warn_torchscript(self, "torch.jit.trace")
+        return super()._slow_forward(*args, **kwargs)  # type: ignore[misc]
+
+
+def _warn_torchscript(module: torch.nn.Module, how: str) -> None:
+    warnings.warn(
+        f"relu_ext.{type(module).__name__} under {how}: the TorchScript graph records relu_ext's ops, so an archive "
+        "saved with torch.jit.save needs `import relu_ext` before torch.jit.load. For an archive that loads "
+        "without relu_ext, call relu_ext.revert(model) before scripting or tracing it.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+class Hardtanh(TorchScriptNote, torch.nn.Hardtanh):
     """Drop-in for :class:`torch.nn.Hardtanh`, running :func:`relu_ext.hardtanh`.
 
     A subclass (see ``help(torch.nn.Hardtanh)``): same constructor, attributes,
@@ -189,7 +218,7 @@ class Hardtanh(torch.nn.Hardtanh):
         return hardtanh(input, self.min_val, self.max_val, self.inplace)
 
 
-class ReLU6(torch.nn.ReLU6):
+class ReLU6(TorchScriptNote, torch.nn.ReLU6):
     """Drop-in for :class:`torch.nn.ReLU6`, running :func:`relu_ext.relu6`.
 
     A subclass (see ``help(torch.nn.ReLU6)``): same constructor, attributes,
@@ -214,7 +243,7 @@ class ReLU6(torch.nn.ReLU6):
         return hardtanh(input, self.min_val, self.max_val, self.inplace)
 
 
-class LeakyReLU(torch.nn.LeakyReLU):
+class LeakyReLU(TorchScriptNote, torch.nn.LeakyReLU):
     """Drop-in for :class:`torch.nn.LeakyReLU`, running :func:`relu_ext.leaky_relu`.
 
     A subclass (see ``help(torch.nn.LeakyReLU)``): same constructor, attributes,
@@ -240,7 +269,7 @@ class LeakyReLU(torch.nn.LeakyReLU):
         return leaky_relu(input, self.negative_slope, self.inplace)
 
 
-class Threshold(torch.nn.Threshold):
+class Threshold(TorchScriptNote, torch.nn.Threshold):
     """Drop-in for :class:`torch.nn.Threshold`, running :func:`relu_ext.threshold`.
 
     A subclass (see ``help(torch.nn.Threshold)``): same constructor, attributes,
@@ -267,7 +296,7 @@ class Threshold(torch.nn.Threshold):
         return threshold(input, self.threshold, self.value, self.inplace)
 
 
-class Hardsigmoid(torch.nn.Hardsigmoid):
+class Hardsigmoid(TorchScriptNote, torch.nn.Hardsigmoid):
     """Drop-in for :class:`torch.nn.Hardsigmoid`, running :func:`relu_ext.hardsigmoid`.
 
     A subclass (see ``help(torch.nn.Hardsigmoid)``): same constructor, attributes,

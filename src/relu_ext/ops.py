@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _C, registrations  # noqa: F401  (registrations: fake kernels and vmap rules)
+from .activations import TorchScriptNote
 
 _ops = torch.ops.relu_ext
 # Module-level names for what relu() calls each time: attribute lookups cost
@@ -70,7 +71,7 @@ def relu(input: Tensor, inplace: bool = False) -> Tensor:
     return _ops.relu(input)
 
 
-class ReLU(torch.nn.ReLU):
+class ReLU(TorchScriptNote, torch.nn.ReLU):
     """Drop-in for :class:`torch.nn.ReLU`, running :func:`relu_ext.relu`.
 
     A subclass (see ``help(torch.nn.ReLU)``): same constructor, attributes,
@@ -130,18 +131,37 @@ def _name(cls: type) -> str:
     return f"torch.nn.{cls.__name__}" if cls.__module__.startswith("torch.") else f"relu_ext.{cls.__name__}"
 
 
+def _left_alone(module: torch.nn.Module, mapping: dict[type, type]) -> str:
+    """``"; left alone: 2 torch.nn.GELU, ..."`` for the activation modules in
+    ``module`` that convert() does not take (torch.nn's other activations,
+    and subclasses of those it takes), or ``""``."""
+    ours = set(mapping.values())
+    left = Counter(
+        type(m) for m in module.modules()
+        if type(m) not in ours and type(m) not in mapping
+        and (type(m).__module__ == "torch.nn.modules.activation" or isinstance(m, tuple(mapping)))
+    )
+    if not left:
+        return ""
+    return "; left alone: " + ", ".join(
+        f"{n} {_name(c) if c.__module__.startswith('torch.') else c.__name__}" for c, n in left.items())
+
+
 def _swap_and_tell(what: str, module: torch.nn.Module, mapping: dict[type, type]) -> torch.nn.Module:
     """Swap as :func:`_swap`, then log what was swapped, or warn that nothing was."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"relu_ext.{what}: expected an nn.Module, got {type(module).__name__}")
     swapped: Counter[type] = Counter()
     result = _swap(module, mapping, {}, swapped)
+    left = _left_alone(result, mapping) if what == "convert" else ""
     if swapped:
         _log.info(
-            "relu_ext.%s: swapped %d module(s) in %s: %s", what, sum(swapped.values()), type(module).__name__,
-            ", ".join(f"{n} {_name(src)} -> {_name(mapping[src])}" for src, n in swapped.items()),
+            "relu_ext.%s: swapped %d module(s) in %s: %s%s", what, sum(swapped.values()), type(module).__name__,
+            ", ".join(f"{n} {_name(src)} -> {_name(mapping[src])}" for src, n in swapped.items()), left,
         )
     else:
+        if left:
+            _log.info("relu_ext.%s: %s%s", what, type(module).__name__, left)
         ours = tuple(dst for dst in mapping.values() if dst.__module__.startswith("relu_ext"))
         already = sum(type(m) in ours for m in module.modules()) if ours else 0
         warnings.warn(
