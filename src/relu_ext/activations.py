@@ -196,10 +196,7 @@ class Hardtanh(TorchScriptNote, torch.nn.Hardtanh):
 
     A subclass (see ``help(torch.nn.Hardtanh)``): same constructor, attributes,
     repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
-
-    TorchScript: an archive of a scripted model that runs it needs
-    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
-    the model first for one that loads without relu_ext).
+    A TorchScript archive of it needs ``import relu_ext`` to load.
 
     Args:
         min_val (float): the lower bound. Default: ``-1.0``.
@@ -223,10 +220,7 @@ class ReLU6(TorchScriptNote, torch.nn.ReLU6):
 
     A subclass (see ``help(torch.nn.ReLU6)``): same constructor, attributes,
     repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
-
-    TorchScript: an archive of a scripted model that runs it needs
-    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
-    the model first for one that loads without relu_ext).
+    A TorchScript archive of it needs ``import relu_ext`` to load.
 
     Args:
         inplace (bool): overwrite the input. Default: ``False``.
@@ -248,10 +242,7 @@ class LeakyReLU(TorchScriptNote, torch.nn.LeakyReLU):
 
     A subclass (see ``help(torch.nn.LeakyReLU)``): same constructor, attributes,
     repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
-
-    TorchScript: an archive of a scripted model that runs it needs
-    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
-    the model first for one that loads without relu_ext).
+    A TorchScript archive of it needs ``import relu_ext`` to load.
 
     Args:
         negative_slope (float): the slope below 0. Default: ``0.01``.
@@ -274,10 +265,7 @@ class Threshold(TorchScriptNote, torch.nn.Threshold):
 
     A subclass (see ``help(torch.nn.Threshold)``): same constructor, attributes,
     repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
-
-    TorchScript: an archive of a scripted model that runs it needs
-    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
-    the model first for one that loads without relu_ext).
+    A TorchScript archive of it needs ``import relu_ext`` to load.
 
     Args:
         threshold (float): the value to threshold at.
@@ -301,10 +289,7 @@ class Hardsigmoid(TorchScriptNote, torch.nn.Hardsigmoid):
 
     A subclass (see ``help(torch.nn.Hardsigmoid)``): same constructor, attributes,
     repr and ``state_dict``; backward keeps a 1-bit mask instead of the input.
-
-    TorchScript: an archive of a scripted model that runs it needs
-    ``import relu_ext`` before ``torch.jit.load`` (:func:`relu_ext.revert`
-    the model first for one that loads without relu_ext).
+    A TorchScript archive of it needs ``import relu_ext`` to load.
 
     Args:
         inplace (bool): overwrite the input. Default: ``False``.
