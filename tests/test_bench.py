@@ -401,8 +401,10 @@ def test_default_output_is_the_current_folder_and_never_overwritten(tmp_path, mo
     argv = ["--device", "cpu", "--rounds", "1", "--budget", "0.01", "--no-progress", "--malloc", "as-is",
             "--what", "kernels", "--sizes", "256", "--dtypes", "float32", "--impls", "torch"]
     res = cli.main(argv)
-    name = "relu_ext-bench-" + report.default_name(res["environment"])  # among the user's files: prefixed
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name + ".json", name + ".png"]
+    folder = tmp_path / "relu_ext-bench-results"  # a folder whose name says what it holds
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert sorted(p.name for p in folder.iterdir()) == [report.default_name(res["environment"]) + s
+                                                        for s in (".json", ".png")]
     res = cli.main(argv + ["--out", "kept"])
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [report.default_name(res["environment"]) + s
                                                                       for s in (".json", ".png")]

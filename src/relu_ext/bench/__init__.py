@@ -77,7 +77,7 @@ busy machine (load average at least half the CPUs) is warned about at start.
 
 Writes NAME.json (every figure, every round, and the environment) and NAME.png
 (GB/s vs size per dtype and case, per-call time of small tensors, memory) into
---out DIR, by default into the current folder as relu_ext-bench-NAME.*; NAME has
+--out DIR, by default relu_ext-bench-results/ in the current folder; NAME has
 the device, the CPU or GPU, the date and the time, so a run never overwrites
 another. --no-files: the tables only.
 """

@@ -15,6 +15,9 @@ import relu_ext
 from . import __doc__ as DOC
 from . import models, peers, real, report, timing
 
+# Where results go unless --out says otherwise: a folder whose name says what it holds.
+DEFAULT_OUT = "relu_ext-bench-results"
+
 SECTIONS = ["kernels", "family", "small", "memory", "models", "compiled"]
 DEFAULT_SECTIONS = ["kernels", "family", "small", "memory", "models"]  # compiled: on request (minutes of compiling)
 SMALL_SIZES = [2**k for k in range(10, 17)]
@@ -69,11 +72,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a smoke run in under a minute on 2 cores: three sizes per section, fewer and shorter "
                         "rounds, tiny models")
-    p.add_argument("--out", metavar="DIR",
-                   help="folder for NAME.json and NAME.png (default: the current folder, where NAME starts with "
-                        "relu_ext-bench-)")
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                   help=f"folder for NAME.json and NAME.png (default: {DEFAULT_OUT} in the current folder)")
     p.add_argument("--name", help="file name stem (default: device-model-dateTtime, e.g. "
-                                  "cpu-amd-epyc-2t-2026-11-24T2325; relu_ext-bench- before it without --out)")
+                                  "cpu-amd-epyc-2t-2026-11-24T2325)")
     p.add_argument("--no-files", action="store_true", help="print the tables only")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress on stderr (default: a bar on a terminal, else a line every 15 s)")
@@ -282,9 +284,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(report.format_tables(result))
     if not args.no_files:
         # In a folder of its own a result needs no prefix; among a user's other files it does.
-        name = args.name or ("" if args.out else "relu_ext-bench-") + report.default_name(env)
-        os.makedirs(args.out or ".", exist_ok=True)
-        stem = os.path.join(args.out or ".", name)
+        name = args.name or report.default_name(env)
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, name)
         with open(stem + ".json", "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {stem}.json")
