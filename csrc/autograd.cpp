@@ -7,11 +7,11 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/library.h>
 
 #include <type_traits>
 
+#include "compiled.h"
 #include "ops.h"
 
 namespace relu_ext {
@@ -213,36 +213,10 @@ void ReluExtBackward0::compiled_args(ag::CompiledNodeArgs& args) const {
   args.collect(strides_);
 }
 
-// Compiled autograd: bind apply_functional_ivalue once, then put a call to it
-// into the graph being captured (as PyTorch's generated nodes do).
 variable_list ReluExtBackward0::apply_with_saved(const variable_list& grads, ag::SwapSavedVariables& saved) {
-  namespace ca = torch::dynamo::autograd;
-  saved.before(mask_);
-  saved.before(sizes_);
-  saved.before(strides_);
-  const auto& py = ca::getPyCompilerInterface();
   static bool bound = false;
-  if (!bound) {
-    bound = true;
-    std::vector<at::TypePtr> schema = {
-        ca::IValuePacker<std::array<bool, 1>>::packed_type(), ca::IValuePacker<at::Tensor>::packed_type(),
-        ca::IValuePacker<std::vector<c10::SymInt>>::packed_type(),
-        ca::IValuePacker<std::vector<c10::SymInt>>::packed_type()};
-    py->bind_function(saved.get_py_compiler(), name(), apply_functional_ivalue, schema);
-  }
-  ca::PackedArgs packed;
-  packed.pack(std::array<bool, 1>{task_should_compute_output(0)});
-  packed.pack(mask_.unpack());
-  packed.pack(sizes_);
-  packed.pack(strides_);
-  const auto output_metadata =
-      ca::IValuePacker<std::vector<std::optional<ag::InputMetadata>>>::pack(ca::get_input_metadata(next_edges()));
-  auto result = py->call_function(saved.get_py_compiler(), "apply_functional", name(), grads,
-                                  std::move(packed).vec(), output_metadata);
-  saved.after(mask_);
-  saved.after(sizes_);
-  saved.after(strides_);
-  return result;
+  return record_apply(*this, grads, saved, bound, apply_functional_ivalue, std::array<bool, 1>{task_should_compute_output(0)},
+                      mask_, sizes_, strides_);
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, Autograd, m) {

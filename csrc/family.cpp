@@ -13,12 +13,12 @@
 #include <ATen/MemoryOverlap.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/library.h>
 
 #include <string>
 #include <utility>
 
+#include "compiled.h"
 #include "ops.h"
 
 namespace relu_ext {
@@ -471,37 +471,9 @@ void MaskBackward<Act>::compiled_args(ag::CompiledNodeArgs& args) const {
 
 template <typename Act>
 variable_list MaskBackward<Act>::apply_with_saved(const variable_list& grads, ag::SwapSavedVariables& saved) {
-  namespace ca = torch::dynamo::autograd;
-  saved.before(mask_);
-  saved.before(sizes_);
-  saved.before(strides_);
-  const auto& py = ca::getPyCompilerInterface();
   static bool bound = false;
-  if (!bound) {
-    bound = true;
-    std::vector<at::TypePtr> schema = {
-        ca::IValuePacker<bool>::packed_type(), ca::IValuePacker<at::Tensor>::packed_type(),
-        ca::IValuePacker<std::vector<c10::SymInt>>::packed_type(),
-        ca::IValuePacker<std::vector<c10::SymInt>>::packed_type(), ca::IValuePacker<c10::Scalar>::packed_type(),
-        ca::IValuePacker<c10::Scalar>::packed_type(), ca::IValuePacker<bool>::packed_type()};
-    py->bind_function(saved.get_py_compiler(), name(), &Family<Act>::apply_functional_ivalue, schema);
-  }
-  ca::PackedArgs packed;
-  packed.pack(task_should_compute_output(0));
-  packed.pack(mask_.unpack());
-  packed.pack(sizes_);
-  packed.pack(strides_);
-  packed.pack(args_[0]);
-  packed.pack(args_[1]);
-  packed.pack(inplace_error_);
-  const auto output_metadata =
-      ca::IValuePacker<std::vector<std::optional<ag::InputMetadata>>>::pack(ca::get_input_metadata(next_edges()));
-  auto result = py->call_function(saved.get_py_compiler(), "apply_functional", name(), grads,
-                                  std::move(packed).vec(), output_metadata);
-  saved.after(mask_);
-  saved.after(sizes_);
-  saved.after(strides_);
-  return result;
+  return record_apply(*this, grads, saved, bound, &Family<Act>::apply_functional_ivalue, task_should_compute_output(0),
+                      mask_, sizes_, strides_, args_[0], args_[1], inplace_error_);
 }
 
 template <typename Act>

@@ -160,12 +160,24 @@ def test_forward_ad_dual_tensors(device, dtype):
     _assert_same(run("relu_ext"), run("torch"), "tangents")
 
 
-def test_compiled_autograd_traces_the_node():
+# (torch.nn class, relu_ext class, arguments, relu_ext's node): ReLU and the family.
+COMPILED_AUTOGRAD_CASES = {
+    "relu": (torch.nn.ReLU, relu_ext.ReLU, (), "ReluExtBackward0"),
+    "relu6": (torch.nn.ReLU6, relu_ext.ReLU6, (), "HardtanhExtBackward0"),
+    "leaky_relu": (torch.nn.LeakyReLU, relu_ext.LeakyReLU, (0.1,), "LeakyReluExtBackward0"),
+    "threshold": (torch.nn.Threshold, relu_ext.Threshold, (0.1, -2.0), "ThresholdExtBackward0"),
+    "hardsigmoid": (torch.nn.Hardsigmoid, relu_ext.Hardsigmoid, (), "HardsigmoidExtBackward0"),
+}
+
+
+@pytest.mark.parametrize("case", COMPILED_AUTOGRAD_CASES)
+def test_compiled_autograd_traces_the_node(case):
     """Compiled autograd captures the node (its apply_with_saved puts a call
     to it into the graph, as PyTorch's own nodes do), and the gradients equal
-    nn.ReLU's."""
+    PyTorch's module's."""
     from torch._dynamo import compiled_autograd
 
+    theirs, ours, args, node = COMPILED_AUTOGRAD_CASES[case]
     seen: list[set[str]] = []
 
     def compiler(gm: torch.fx.GraphModule):
@@ -173,16 +185,16 @@ def test_compiled_autograd_traces_the_node():
         return torch.compile(gm, backend="eager")
 
     grads = {}
-    for act in (torch.nn.ReLU, relu_ext.ReLU):
+    for act in (theirs, ours):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), act(), torch.nn.Linear(16, 8), act(inplace=True),
-                                    torch.nn.Linear(8, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), act(*args), torch.nn.Linear(16, 8),
+                                    act(*args, inplace=True), torch.nn.Linear(8, 1))
         torch._dynamo.reset()
         with compiled_autograd._enable(compiler):
             model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).sum().backward()
         grads[act] = [p.grad for p in model.parameters()]
-    assert any("torch._dynamo.compiled_autograd.ops.ReluExtBackward0" in ops for ops in seen), seen
-    _assert_same(grads[relu_ext.ReLU], grads[torch.nn.ReLU], "compiled autograd gradients")
+    assert any(f"torch._dynamo.compiled_autograd.ops.{node}" in ops for ops in seen), seen
+    _assert_same(grads[ours], grads[theirs], "compiled autograd gradients")
 
 
 class _Logged(torch.Tensor):
