@@ -351,12 +351,6 @@ def _why_kept(t: Tensor) -> str | None:
     return None
 
 
-def _is_relu_output(t: Tensor) -> bool:
-    """Whether `t` is a plain dense floating-point output of ReLU (or of the
-    family, where mostly zeros) worth compacting."""
-    return _why_kept(t) is None
-
-
 def _is_dense(t: Tensor) -> bool:
     """Whether `t`'s elements fill a block of memory exactly once, in any order of dimensions."""
     expected = 1
