@@ -16,6 +16,7 @@ build environment has no torch, so a wheel needs `--no-build-isolation`.
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -94,6 +95,52 @@ def torch_requirement() -> str:
     return f"torch=={major}.{minor}.*"
 
 
+def loaded_libstdcxx() -> "str | None":
+    """The libstdc++ this process (so torch) runs with, from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = [line.split()[-1] for line in f if "/libstdc++.so" in line]
+    except OSError:
+        return None
+    return paths[0] if paths else None
+
+
+def shared_libstdcxx_args() -> "list[str]":
+    """Link arguments that keep libstdc++ a shared library.
+
+    A compiler with no shared libstdc++ of its own (seen on a GPU image whose
+    CC / CXX were /opt/gcc/bin/g++) links its static libstdc++.a into _C.so:
+    a second libstdc++ beside the one torch loaded. Streams then mix the two
+    copies' locales, and the first error message that formats an integer
+    crashed the process (segfault in ostream::_M_insert<long>). Naming the
+    libstdc++ torch runs with makes the linker take it, dynamically.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    for compiler in {os.environ.get("CXX") or "c++", os.environ.get("CC") or "c++"}:
+        try:
+            found = subprocess.run([*shlex.split(compiler), "-print-file-name=libstdc++.so"],
+                                   capture_output=True, text=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.SubprocessError, ValueError):
+            continue
+        if found and not os.path.isabs(found):  # the bare name: this compiler has no shared libstdc++
+            lib = loaded_libstdcxx()
+            if lib:
+                print(f"relu_ext: {compiler} has no shared libstdc++; linking {lib} (torch's) instead of "
+                      "its static one")
+                return [lib]
+    return []
+
+
+def needed_libraries(path: str) -> "list[str] | None":
+    """The DT_NEEDED entries of a shared object (readelf -d), or None without readelf."""
+    try:
+        out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
 def extension(reason: "str | None", arch: "str | None"):
     sources = ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/install.cpp", "csrc/module.cpp", "csrc/relu_cpu.cpp",
                "csrc/compact_cpu.cpp", "csrc/family.cpp", "csrc/family_cpu.cpp"]
@@ -110,6 +157,7 @@ def extension(reason: "str | None", arch: "str | None"):
         # resolves to the copy torch has already loaded.
         cxx.append("-fopenmp")
         link.append("-fopenmp")
+    link += shared_libstdcxx_args()
     if reason is not None:
         return CppExtension("relu_ext._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
@@ -143,6 +191,11 @@ else:
 
         def run(self) -> None:
             super().run()
+            needed = needed_libraries(self.get_ext_fullpath("relu_ext._C")) if sys.platform.startswith("linux") else None
+            if needed is not None and not any(n.startswith("libstdc++.so") for n in needed):
+                sys.exit("relu_ext: the compiler linked libstdc++ statically into relu_ext._C (a second copy beside "
+                         "torch's, which crashes at the first error message). Build with a compiler that links it "
+                         "as a shared library, e.g. CC=gcc CXX=g++ (the system's).")
             path = os.path.join(os.path.dirname(self.get_ext_fullpath("relu_ext._C")), "_build_config.py")
             with open(path, "w") as f:
                 f.write("# Written by setup.py when relu_ext._C was built. Do not edit.\n")

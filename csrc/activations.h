@@ -8,14 +8,22 @@
 // c10::BFloat16; M = at::opmath_type<T>, float for the 16-bit types):
 //   Params<T>      the scalar arguments as PyTorch converts them for T
 //                  (c10::Scalar::to<T>, which raises on overflow as PyTorch does);
-//   forward(x, p)  the output, computed as PyTorch's scalar CPU loop does;
+//                  params<T, kCuda>(args) builds them for the CPU or CUDA kernels;
+//   forward<kCuda>(x, p)  the output, computed as PyTorch's scalar CPU loop
+//                  does (kCuda false) or as its CUDA kernel does (kCuda true);
 //   keep(x, p)     the mask bit: PyTorch's backward predicate on the input;
 //   grad(g, k, p)  grad_in from grad and the mask bit.
 // kArgs: how many Scalar arguments the op takes; kSchemaArgs: them in schema
 // syntax (with PyTorch's defaults); kNode: the backward node's name.
 //
+// PyTorch's CUDA kernels differ from its CPU ones in two ops, and relu_ext's
+// CUDA kernels follow them there (kCuda): threshold compares with the
+// threshold rounded to T (threshold.to<scalar_t>()), and hardsigmoid
+// multiplies by the float 1/6 instead of dividing by 6 (measured on an H100,
+// torch 2.11: 1-ulp differences in float32 / float64 otherwise).
+//
 // Where PyTorch's vectorized CPU loop and its scalar loop disagree, the
-// scalar loop (which is also what its CUDA kernels compute) is followed:
+// scalar loop is followed:
 // NaN payloads (the vectorized hardtanh / hardsigmoid / 16-bit loops write
 // all-ones NaNs) and hardtanh's gradient at a NaN input (the scalar
 // predicate `!(x <= min || x >= max)` passes it, the vectorized loop drops it).
@@ -73,11 +81,11 @@ struct Hardtanh {
     OpMath<T> lo, hi;
     T lo_t, hi_t;
   };
-  template <typename T>
+  template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs& a) {
     return {a[0].to<OpMath<T>>(), a[1].to<OpMath<T>>(), a[0].to<T>(), a[1].to<T>()};
   }
-  template <typename T>
+  template <bool kCuda = false, typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
     const OpMath<T> v = to_m(x);
     const bool low = v < p.lo;                   // std::max(x, lo): x when NaN
@@ -104,11 +112,11 @@ struct LeakyRelu {
   struct Params {
     OpMath<T> slope;
   };
-  template <typename T>
+  template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs& a) {
     return {a[0].to<OpMath<T>>()};
   }
-  template <typename T>
+  template <bool kCuda = false, typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
     const OpMath<T> v = to_m(x);
     return v > OpMath<T>(0) ? x : from_m<T>(v * p.slope);
@@ -123,8 +131,9 @@ struct LeakyRelu {
   }
 };
 
-// threshold(x, threshold, value): x <= threshold ? value : x, compared in
-// opmath (the threshold is not rounded to a 16-bit type), value in T.
+// threshold(x, threshold, value): x <= threshold ? value : x, value in T.
+// On the CPU the threshold is compared in opmath (not rounded to a 16-bit
+// type); PyTorch's CUDA kernel rounds it to T first, forward and backward.
 struct Threshold {
   static constexpr const char* kName = "threshold";
   static constexpr const char* kNode = "ThresholdExtBackward0";
@@ -135,11 +144,12 @@ struct Threshold {
     OpMath<T> threshold;
     T value;
   };
-  template <typename T>
+  template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs& a) {
-    return {a[0].to<OpMath<T>>(), a[1].to<T>()};
+    // Only the CUDA path converts to T, so only it raises on a 16-bit overflow, as PyTorch's does.
+    return {kCuda ? OpMath<T>(a[0].to<T>()) : a[0].to<OpMath<T>>(), a[1].to<T>()};
   }
-  template <typename T>
+  template <bool kCuda = false, typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
     return to_m(x) <= p.threshold ? p.value : x;
   }
@@ -153,8 +163,9 @@ struct Threshold {
   }
 };
 
-// hardsigmoid(x) = min(max(x + 3, 0), 6) / 6 in opmath; gradient g * (1/6)
-// inside (-3, 3), where 1/6 is the float 1.0f / 6.0f for every dtype.
+// hardsigmoid(x) = min(max(x + 3, 0), 6) / 6 in opmath (on CUDA: * (1/6));
+// gradient g * (1/6) inside (-3, 3); 1/6 is the float 1.0f / 6.0f for every
+// dtype, as in PyTorch.
 struct Hardsigmoid {
   static constexpr const char* kName = "hardsigmoid";
   static constexpr const char* kNode = "HardsigmoidExtBackward0";
@@ -162,17 +173,17 @@ struct Hardsigmoid {
   static constexpr int kArgs = 0;
   template <typename T>
   struct Params {};
-  template <typename T>
+  template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs&) {
     return {};
   }
-  template <typename T>
+  template <bool kCuda = false, typename T>
   RELU_HD static T forward(T x, const Params<T>&) {
     using M = OpMath<T>;
     const M a = to_m(x) + M(3);
     const M lo = a < M(0) ? M(0) : a;  // std::max(a, 0)
     const M hi = M(6) < lo ? M(6) : lo;  // std::min(lo, 6)
-    return from_m<T>(hi / M(6));
+    return from_m<T>(kCuda ? hi * M(1.0f / 6.0f) : hi / M(6));
   }
   template <typename T>
   RELU_HD static bool keep(T x, const Params<T>&) {

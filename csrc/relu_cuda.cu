@@ -20,8 +20,10 @@
 namespace relu_ext {
 namespace {
 
-// Rows per warp and loop iteration when not set otherwise (set_cuda_unroll).
-constexpr int kDefaultUnroll = 2;
+// Rows per warp and loop iteration when not set otherwise (set_cuda_unroll). 4:
+// on an H100 (2026-11-25) bfloat16 forwards at 16M-256M ran at 86-92% of a copy
+// with 4, 57-69% with 2 and 33-40% with 1; float32 at 92-97% with each.
+constexpr int kDefaultUnroll = 4;
 std::atomic<int> g_unroll{kDefaultUnroll};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -146,7 +148,7 @@ void act_forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, c
     launch_elementwise<scalar_t, false>(
         vec, n, x.get_device(), c10::cuda::getCurrentCUDAStream(),
         [](auto v, auto k) { return act_fwd_kernel<Act, scalar_t, decltype(v)::value, decltype(k)::value>; },
-        x.const_data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), mask, n, Act::template params<scalar_t>(args));
+        x.const_data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), mask, n, Act::template params<scalar_t, true>(args));
   });
 }
 
@@ -160,7 +162,8 @@ void act_backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Te
     launch_elementwise<scalar_t, false>(
         vec, n, grad.get_device(), c10::cuda::getCurrentCUDAStream(),
         [](auto v, auto k) { return act_bwd_kernel<Act, scalar_t, decltype(v)::value, decltype(k)::value>; },
-        grad.const_data_ptr<scalar_t>(), mask, grad_in.data_ptr<scalar_t>(), n, Act::template params<scalar_t>(args));
+        grad.const_data_ptr<scalar_t>(), mask, grad_in.data_ptr<scalar_t>(), n,
+        Act::template params<scalar_t, true>(args));
   });
 }
 

@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t ballot[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        out.v[j] = Act::forward(in[k].v[j], p);
+        out.v[j] = Act::template forward<true>(in[k].v[j], p);
         ballot[j] = __ballot_sync(0xFFFFFFFFu, base + j < n && Act::keep(in[k].v[j], p));
       }
       store<T, V>(y, base, n, out);

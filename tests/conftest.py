@@ -90,6 +90,16 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
 
 
 @functools.cache
+def torch_cuda_clears_negative_zero(fn, dtype: torch.dtype) -> bool:
+    """Whether this torch's CUDA kernel of `fn` gives +0.0 for -0.0 where its
+    CPU kernel gives -0.0 (relu and hardtanh / relu6 with min_val 0 in torch
+    2.11, whose CUDA clamp took ::max(x, min)): the one known difference, see
+    torch_cuda_relu_clears_negative_zero. relu_ext gives -0.0 on both."""
+    cpu, cuda = (fn(torch.tensor([-0.0], dtype=dtype, device=d)) for d in ("cpu", "cuda"))
+    return bool(torch.signbit(cpu).item()) and not torch.signbit(cuda).item()
+
+
+@functools.cache
 def torch_cuda_relu_clears_negative_zero(dtype: torch.dtype) -> bool:
     """Whether this torch's CUDA relu gives +0.0 for -0.0. torch 2.11's does
     (pytorch/pytorch#181533, #181801: its CUDA clamp_min took ::max(x, 0));

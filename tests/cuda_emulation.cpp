@@ -339,7 +339,7 @@ typename Act::template Params<T> params_of(double a, double b) {
   } else if constexpr (std::is_same_v<Act, relu_ext::LeakyRelu>) {
     return {M(a)};
   } else if constexpr (std::is_same_v<Act, relu_ext::Threshold>) {
-    return {M(a), T(float(b))};
+    return {M(T(M(a))), T(float(b))};  // the CUDA kernels' threshold: rounded to T (params<T, true>)
   } else {
     return {};
   }
@@ -367,7 +367,7 @@ void check_family(int64_t n, unsigned cap, int offset, double a, double b, const
   std::vector<U> want_y(n), want_g(n);
   for (int64_t i = 0; i < n; ++i) {
     const bool keep = Act::keep(x0[i], p);
-    want_y[i] = bits_of<U>(Act::forward(x0[i], p));
+    want_y[i] = bits_of<U>(Act::template forward<true>(x0[i], p));
     want_g[i] = bits_of<U>(Act::grad(g0[i], keep, p));
     if (keep) want_mask[i / 8] |= uint8_t(1u << (i % 8));
   }
@@ -596,6 +596,7 @@ int main() {
   check_family_dtypes<relu_ext::Hardtanh>("hardtanh", -0.5, 0.25);
   check_family_dtypes<relu_ext::LeakyRelu>("leaky_relu", 0.1, 0.0);
   check_family_dtypes<relu_ext::Threshold>("threshold", 0.5, 2.0);
+  check_family_dtypes<relu_ext::Threshold>("threshold_inexact", 0.1, 20.0);  // 0.1 rounds differently per T
   check_family_dtypes<relu_ext::Hardsigmoid>("hardsigmoid", 0.0, 0.0);
   check_compaction_width<uint16_t, relu_ext::kInfF16>("2-byte");
   check_compaction_width<uint32_t, relu_ext::kInfF32>("4-byte");

@@ -149,7 +149,9 @@ def test_refuses_when_torch_sees_no_gpu(tmp_path, smi):
 
 def test_dry_run_lists_every_step_and_touches_nothing(tmp_path):
     log = tmp_path / "python-calls"
-    env = dict(os.environ, PATH=_path_without_nvidia_smi(tmp_path), PYTHON=str(_logging_python(tmp_path, log)))
+    # The script's defaults (a GPU image may set TORCH_CUDA_ARCH_LIST, e.g. 9.0a, which the script then takes)
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CUDA_ARCH_LIST", "MAX_JOBS")}
+    env.update(PATH=_path_without_nvidia_smi(tmp_path), PYTHON=str(_logging_python(tmp_path, log)))
     out = run("--dry-run", "--out", str(tmp_path / "results"), env=env)
     assert out.returncode == 0, out.stderr
     text = out.stdout

@@ -165,6 +165,43 @@ def test_sdist_holds_what_a_build_needs(tmp_path):
     assert not {n for n in names if n.endswith(".so") or n.endswith("_build_config.py")}
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF and /proc/self/maps")
+def test_one_libstdcxx_in_the_process():
+    """_C.so needs the shared libstdc++ torch uses, not a static copy of its own: with
+    two copies (a GPU image's compiler had no shared one) the first error message
+    that formatted an integer crashed the process."""
+    with open("/proc/self/maps") as f:
+        copies = {line.split()[-1] for line in f if "/libstdc++.so" in line}
+    assert len(copies) == 1, copies
+    readelf = subprocess.run(["readelf", "-d", _C.__file__], capture_output=True, text=True)
+    if readelf.returncode != 0:
+        pytest.skip("readelf is not available")
+    assert "Shared library: [libstdc++.so.6]" in readelf.stdout, readelf.stdout
+    with pytest.raises(RuntimeError, match=r"mask has shape \[12\] but grad has 100 elements"):
+        torch.ops.relu_ext.relu_bwd(torch.randn(100), torch.zeros(12, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not (ROOT / "setup.py").exists() or not sys.platform.startswith("linux"),
+                    reason="not run from a Linux source tree")
+def test_setup_links_torchs_libstdcxx_for_a_compiler_without_one(tmp_path):
+    """A compiler whose -print-file-name=libstdc++.so finds no shared library gets the
+    libstdc++ torch runs with on its link line; a normal compiler gets nothing added."""
+    fake = tmp_path / "g++"
+    fake.write_text('#!/bin/sh\ncase "$1" in -print-file-name=*) echo "${1#-print-file-name=}";; esac\n')
+    fake.chmod(0o755)
+
+    def name_with(**env: str) -> str:
+        run = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env={**os.environ, **env})
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout
+
+    out = name_with(CXX=str(fake), CC=str(fake))
+    linked = re.search(r"relu_ext: \S+ has no shared libstdc\+\+; linking (\S+) \(torch's\)", out)
+    assert linked and "libstdc++.so" in linked.group(1) and os.path.exists(linked.group(1)), out
+    assert "has no shared libstdc++" not in name_with(CXX="c++", CC="c++")
+
+
 def test_version_is_written_once():
     """pyproject.toml reads the version from relu_ext.__version__ instead of repeating it."""
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
