@@ -194,6 +194,39 @@ at::Tensor nonzero_mask_autograd(const at::Tensor& y) {
   return nonzero_mask_op().call(y);
 }
 
+// The replay ops rebuild saved tensors: not differentiable either.
+std::tuple<at::Tensor, at::Tensor> bn_terms_autograd(const std::optional<at::Tensor>& weight,
+                                                     const std::optional<at::Tensor>& bias, const at::Tensor& mean,
+                                                     const at::Tensor& var, bool training, double eps,
+                                                     at::ScalarType dtype) {
+  using Arg = std::pair<std::optional<at::Tensor>, const char*>;
+  for (const auto& [t, arg] : {Arg{mean, "mean"}, Arg{var, "var"}, Arg{weight, "weight"}, Arg{bias, "bias"}}) {
+    if (t) check_not_differentiable(*t, "relu_ext::bn_terms", arg);
+  }
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return bn_terms_op().call(weight, bias, mean, var, training, eps, dtype);
+}
+
+at::Tensor bn_act_verify_autograd(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                                  c10::string_view act, at::ArrayRef<double> args, const at::Tensor& y) {
+  using Arg = std::pair<const at::Tensor&, const char*>;
+  for (const auto& [t, arg] : {Arg{x, "x"}, Arg{alpha, "alpha"}, Arg{beta, "beta"}, Arg{y, "y"}}) {
+    check_not_differentiable(t, "relu_ext::bn_act_verify", arg);
+  }
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return bn_act_verify_op().call(x, alpha, beta, act, args, y);
+}
+
+at::Tensor bn_act_rebuild_autograd(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                                   c10::string_view act, at::ArrayRef<double> args) {
+  using Arg = std::pair<const at::Tensor&, const char*>;
+  for (const auto& [t, arg] : {Arg{x, "x"}, Arg{alpha, "alpha"}, Arg{beta, "beta"}}) {
+    check_not_differentiable(t, "relu_ext::bn_act_rebuild", arg);
+  }
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return bn_act_rebuild_op().call(x, alpha, beta, act, args);
+}
+
 }  // namespace
 
 variable_list ReluExtBackward0::apply(variable_list&& grads) {
@@ -223,6 +256,9 @@ TORCH_LIBRARY_IMPL(relu_ext, Autograd, m) {
   m.impl("compact", &compact_autograd);
   m.impl("expand", &expand_autograd);
   m.impl("nonzero_mask", &nonzero_mask_autograd);  // a mask is not differentiable
+  m.impl("bn_terms", &bn_terms_autograd);
+  m.impl("bn_act_verify", &bn_act_verify_autograd);
+  m.impl("bn_act_rebuild", &bn_act_rebuild_autograd);
   m.impl("relu", &relu_autograd);
   m.impl("relu_", &relu_autograd_);
   m.impl("relu_fwd", &relu_fwd_autograd);

@@ -229,6 +229,69 @@ at::Tensor nonzero_mask(const at::Tensor& y) {
   return mask;
 }
 
+// --- Replay (save_compact's recipes for activations after a BatchNorm) ----------
+
+void check_cpu_replay(const at::Tensor& t, const char* op, const char* arg) {
+  check_compactable(t, op, arg);
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", arg, " is on ", t.device(),
+              "; the BatchNorm replay has CPU kernels only so far");
+}
+
+std::tuple<at::Tensor, at::Tensor> bn_terms(const std::optional<at::Tensor>& weight,
+                                            const std::optional<at::Tensor>& bias, const at::Tensor& mean,
+                                            const at::Tensor& var, bool training, double eps, at::ScalarType dtype) {
+  const char* op = "relu_ext::bn_terms";
+  TORCH_CHECK(is_float(dtype), op, ": dtype ", dtype, " is not a float dtype");
+  const int64_t channels = mean.numel();
+  using Arg = std::pair<std::optional<at::Tensor>, const char*>;
+  for (const auto& [t, arg] : {Arg{mean, "mean"}, Arg{var, "var"}, Arg{weight, "weight"}, Arg{bias, "bias"}}) {
+    if (!t) continue;
+    TORCH_CHECK(t->dim() == 1 && t->numel() == channels, op, ": ", arg, " has shape ", t->sizes(),
+                "; expected [", channels, "] (one value per channel, as mean)");
+    check_cpu_replay(*t, op, arg);
+  }
+  const auto opmath = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor alpha = at::empty({channels}, mean.options().dtype(opmath));
+  at::Tensor beta = at::empty({channels}, mean.options().dtype(opmath));
+  bn_terms_cpu(weight, bias, mean, var, training, eps, alpha, beta);
+  return {alpha, beta};
+}
+
+void check_replay(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const char* op) {
+  check_cpu_replay(x, op, "x");
+  TORCH_CHECK(x.dim() >= 2, op, ": x has shape ", x.sizes(), "; expected (N, C, ...) with channels in dimension 1");
+  const auto opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  using Arg = std::pair<const at::Tensor&, const char*>;
+  for (const auto& [t, arg] : {Arg{alpha, "alpha"}, Arg{beta, "beta"}}) {
+    TORCH_CHECK(t.device() == x.device() && t.scalar_type() == opmath && t.dim() == 1 && t.numel() == x.size(1) &&
+                    t.is_contiguous(),
+                op, ": ", arg, " must be a contiguous ", opmath, " tensor of shape [", x.size(1), "] on ", x.device(),
+                " (x's channels in its opmath type); got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
+                t.device());
+  }
+}
+
+at::Tensor bn_act_verify(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                         c10::string_view act, at::ArrayRef<double> args, const at::Tensor& y) {
+  const char* op = "relu_ext::bn_act_verify";
+  check_replay(x, alpha, beta, op);
+  TORCH_CHECK(y.device() == x.device() && y.scalar_type() == x.scalar_type() && y.sizes() == x.sizes() &&
+                  y.strides() == x.strides(),
+              op, ": y must have x's dtype, device, shape and strides; got ", y.scalar_type(), " ", y.sizes(),
+              " strides ", y.strides(), " on ", y.device(), " for x's ", x.scalar_type(), " ", x.sizes(),
+              " strides ", x.strides(), " on ", x.device());
+  const bool equal = bn_act_cpu(x, alpha, beta, std::string(act), args, y, /*verify=*/true);
+  return at::scalar_tensor(equal, x.options().dtype(at::kBool));
+}
+
+at::Tensor bn_act_rebuild(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                          c10::string_view act, at::ArrayRef<double> args) {
+  check_replay(x, alpha, beta, "relu_ext::bn_act_rebuild");
+  at::Tensor y = at::empty_strided(x.sizes(), x.strides(), x.options());
+  bn_act_cpu(x, alpha, beta, std::string(act), args, y, /*verify=*/false);
+  return y;
+}
+
 #ifndef WITH_CUDA
 // A CUDA tensor in a build without CUDA kernels: say so and why, instead of
 // the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
@@ -339,6 +402,14 @@ TORCH_LIBRARY(relu_ext, m) {
   m.def("compact(Tensor y, Tensor mask) -> (Tensor values, Tensor missed)");
   m.def("expand(Tensor values, Tensor mask, SymInt[] size, SymInt[] stride) -> Tensor");
   m.def("nonzero_mask(Tensor y) -> Tensor");
+  // save_compact's recipes: an activation output after a BatchNorm rebuilt from
+  // the BatchNorm's input and per-channel terms, as PyTorch's CPU kernels
+  // computed it (replay_cpu.cpp): the terms, a bit-for-bit check against the
+  // real output (a bool scalar), and the rebuild. Not differentiable.
+  m.def("bn_terms(Tensor? weight, Tensor? bias, Tensor mean, Tensor var, bool training, float eps, "
+        "ScalarType dtype) -> (Tensor alpha, Tensor beta)");
+  m.def("bn_act_verify(Tensor x, Tensor alpha, Tensor beta, str act, float[] args, Tensor y) -> Tensor");
+  m.def("bn_act_rebuild(Tensor x, Tensor alpha, Tensor beta, str act, float[] args) -> Tensor");
 }
 
 // The wrappers pick the kernel from the tensor's device, so both keys share them.
@@ -351,9 +422,16 @@ TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
   m.impl("compact", &compact);
   m.impl("expand", &expand);
   m.impl("nonzero_mask", &nonzero_mask);
+  m.impl("bn_terms", &bn_terms);
+  m.impl("bn_act_verify", &bn_act_verify);
+  m.impl("bn_act_rebuild", &bn_act_rebuild);
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
+  // The replay: CPU kernels only; a CUDA tensor gets the wrappers' device check and its message.
+  m.impl("bn_terms", &bn_terms);
+  m.impl("bn_act_verify", &bn_act_verify);
+  m.impl("bn_act_rebuild", &bn_act_rebuild);
 #ifdef WITH_CUDA
   m.impl("compact", &compact);
   m.impl("expand", &expand);

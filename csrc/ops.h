@@ -27,6 +27,12 @@ using ReluBwdFn = at::Tensor(const at::Tensor&, const at::Tensor&);
 using CompactFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
 using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef);
 using NonzeroMaskFn = at::Tensor(const at::Tensor&);
+using BnTermsFn = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                                     const at::Tensor&, const at::Tensor&, bool, double, at::ScalarType);
+using BnActVerifyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
+                                 at::ArrayRef<double>, const at::Tensor&);
+using BnActRebuildFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
+                                  at::ArrayRef<double>);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> find_op(const char* name) {
@@ -46,6 +52,9 @@ RELU_EXT_OP_HANDLE(relu_bwd_op, "relu_bwd", ReluBwdFn)
 RELU_EXT_OP_HANDLE(compact_op, "compact", CompactFn)
 RELU_EXT_OP_HANDLE(expand_op, "expand", ExpandFn)
 RELU_EXT_OP_HANDLE(nonzero_mask_op, "nonzero_mask", NonzeroMaskFn)
+RELU_EXT_OP_HANDLE(bn_terms_op, "bn_terms", BnTermsFn)
+RELU_EXT_OP_HANDLE(bn_act_verify_op, "bn_act_verify", BnActVerifyFn)
+RELU_EXT_OP_HANDLE(bn_act_rebuild_op, "bn_act_rebuild", BnActRebuildFn)
 #undef RELU_EXT_OP_HANDLE
 
 // Layout and device checks, made where every call passes (the autograd

@@ -122,7 +122,9 @@ def test_save_compact_gives_itself_and_counts_each_tensor_once():
         out = _Save.apply(y, y, view, x, s, d, y)  # y, s, d again: not counted again
     assert sc is ctx
     assert sc.compacted == 1
-    assert sc.kept_by_reason == {"not_activation": 2, "unsupported": 1, "too_small": 1, "too_few_zeros": 1}
+    assert sc.kept_by_reason == {"not_activation": 2, "not_replayed": 0, "unsupported": 1, "too_small": 1,
+                                 "too_few_zeros": 1}
+    assert (sc.replayed, sc.replay_misses) == (0, 0)  # no BatchNorm here
     assert sc.kept == 5
     nbytes = [t.nbytes for t in (y, d, s, m, view, x)]
     assert sc.bytes_saved_for_backward == sum(nbytes)
@@ -135,7 +137,8 @@ def test_save_compact_gives_itself_and_counts_each_tensor_once():
     for words in ("compacted: 1 tensor,", "kept as they are: 5 tensors", "2 not an activation output", "1 too small",
                   "1 too few zeros", "1 unsupported type"):
         assert words in text, (words, text)
-    assert repr(sc) == (f"<relu_ext.save_compact min_saving=0.1 compacted=1 kept=5 "
+    assert "replayed" not in text  # said only where a BatchNorm output was seen
+    assert repr(sc) == (f"<relu_ext.save_compact min_saving=0.1 recompute=True replayed=0 compacted=1 kept=5 "
                         f"bytes_saved_for_backward={sc.bytes_saved_for_backward} bytes_held={sc.bytes_held}>")
 
 

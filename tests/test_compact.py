@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import relu_ext
 from relu_ext import compact
-from conftest import DEVICES, adversarial, assert_bitwise_equal
+from conftest import DEVICES, adversarial, assert_bitwise_equal, assert_same_step, train_step
 
 
 # --- the ops: relu_ext::compact / expand / nonzero_mask ------------------------------------
@@ -276,28 +276,12 @@ ACTS = {
 }
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor, ctx: Any, **backward: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(1)
-    with ctx:
-        loss = model(x).float().square().mean()
-    loss.backward(**backward)
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
-def _assert_same(a: tuple, b: tuple) -> None:
-    assert_bitwise_equal(a[0], b[0], "loss")
-    for i, (ga, gb) in enumerate(zip(a[1], b[1])):
-        assert_bitwise_equal(ga, gb, f"gradient {i}")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("act", ACTS)
 def test_training_step_is_bitwise_the_same(act, dtype):
     model = _cnn(ACTS[act], dtype).train()
     x = torch.randn(4, 3, 16, 16, dtype=dtype)
-    _assert_same(_step(model, x, relu_ext.save_compact()), _step(model, x, contextlib.nullcontext()))
+    assert_same_step(train_step(model, x, relu_ext.save_compact()), train_step(model, x, contextlib.nullcontext()))
 
 
 def test_relu_output_changed_in_place_after_save():
@@ -327,7 +311,9 @@ def test_relu_output_changed_in_place_after_save():
         z.backward()
 
 
-def test_double_backward_and_retain_graph():
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "compact"])
+def test_double_backward_and_retain_graph(recompute):
+    """(The BatchNorm -> ReLU outputs of _cnn are rebuilt with recompute, compacted without.)"""
     model = _cnn(ACTS["nn.ReLU"], torch.float64).train()
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64, requires_grad=True)
 
@@ -343,14 +329,16 @@ def test_double_backward_and_retain_graph():
         loss.backward()  # retain_graph: the compacted tensors are restored again
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    got, want = penalty(relu_ext.save_compact()), penalty(contextlib.nullcontext())
-    assert len(got) == len(want) > 4
+    sc = relu_ext.save_compact(recompute=recompute)
+    got, want = penalty(sc), penalty(contextlib.nullcontext())
+    assert len(got) == len(want) > 4 and (sc.replayed > 0) == recompute
     for a, b in zip(got, want):
         assert_bitwise_equal(a, b)
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "compact"])
 @pytest.mark.parametrize("where", ["inside", "around"])
-def test_activation_checkpointing(where):
+def test_activation_checkpointing(where, recompute):
     """save_compact() around a checkpointed forward, and checkpoint around a forward
     that runs under save_compact() (its recomputation included)."""
     from torch.utils.checkpoint import checkpoint
@@ -359,10 +347,10 @@ def test_activation_checkpointing(where):
     x = torch.randn(4, 3, 16, 16)
 
     def run(compacted: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        ctx = relu_ext.save_compact() if compacted else contextlib.nullcontext()
+        ctx = relu_ext.save_compact(recompute=recompute) if compacted else contextlib.nullcontext()
 
         def compacted_forward() -> torch.Tensor:
-            with relu_ext.save_compact() if compacted else contextlib.nullcontext():
+            with relu_ext.save_compact(recompute=recompute) if compacted else contextlib.nullcontext():
                 return model(x)
 
         for p in model.parameters():
@@ -376,7 +364,7 @@ def test_activation_checkpointing(where):
         out.square().mean().backward()
         return out.detach(), [p.grad.clone() for p in model.parameters()]
 
-    _assert_same(run(True), run(False))
+    assert_same_step(run(True), run(False))
 
 
 def test_torch_compile_works_under_it():
@@ -384,7 +372,7 @@ def test_torch_compile_works_under_it():
     x = torch.randn(4, 3, 16, 16)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    _assert_same(_step(compiled, x, relu_ext.save_compact()), _step(model, x, contextlib.nullcontext()))
+    assert_same_step(train_step(compiled, x, relu_ext.save_compact()), train_step(model, x, contextlib.nullcontext()))
 
 
 def test_torch_func_raises_pytorchs_clear_error():
@@ -435,6 +423,6 @@ def test_real_model_holds_less_and_trains_the_same(monkeypatch):
     torch.manual_seed(0)
     model = tv.models.resnet18(weights=None).train()
     x = torch.randn(2, 3, 64, 64)
-    _assert_same(_step(model, x, relu_ext.save_compact()), _step(model, x, contextlib.nullcontext()))
+    assert_same_step(train_step(model, x, relu_ext.save_compact()), train_step(model, x, contextlib.nullcontext()))
     plain, small = _held_bytes(model, x, False, monkeypatch), _held_bytes(model, x, True, monkeypatch)
     assert small < 0.9 * plain, (small, plain)

@@ -1,6 +1,7 @@
 """DDP (gloo, 2 processes on this machine): relu_ext.ReLU, nn.ReLU under relu_ext.install(), and
 nn.ReLU under relu_ext.save_compact() train with the same gradients as nn.ReLU; so do the family's
-ReLU6 and LeakyReLU, converted and installed."""
+ReLU6 and LeakyReLU, converted and installed, and BatchNorm -> ReLU outputs that save_compact()
+rebuilds from the BatchNorm."""
 
 import contextlib
 
@@ -26,11 +27,17 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     try:
         grads = {}
         runs = (("ours", relu_ext.ReLU), ("installed", torch.nn.ReLU), ("compact", torch.nn.ReLU), ("ref", torch.nn.ReLU),
-                ("family_ours", None), ("family_installed", None), ("family_ref", None))
+                ("family_ours", None), ("family_installed", None), ("family_ref", None),
+                ("bn_recompute", "bn"), ("bn_ref", "bn"))
+        replayed = 0
         for name, act in runs:
             hold = relu_ext.install() if name.endswith("installed") else None  # spawned: each process installs
             torch.manual_seed(0)
-            if act is None:  # the family: ReLU6 and LeakyReLU, swapped by convert() or reached by install()
+            if act == "bn":  # Linear -> BatchNorm1d -> ReLU: the ReLU outputs the next Linear keeps are replayed
+                model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.BatchNorm1d(128), torch.nn.ReLU(),
+                                            torch.nn.Linear(128, 64), torch.nn.BatchNorm1d(64),
+                                            torch.nn.ReLU(inplace=True), torch.nn.Linear(64, 1))
+            elif act is None:  # the family: ReLU6 and LeakyReLU, swapped by convert() or reached by install()
                 model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU6(), torch.nn.Linear(128, 64),
                                             torch.nn.LeakyReLU(0.1, inplace=True), torch.nn.Linear(64, 1))
                 if name == "family_ours":
@@ -43,14 +50,17 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
             torch.manual_seed(100 + rank)  # each rank its own data
             for _ in range(3):
                 opt.zero_grad()
-                with relu_ext.save_compact(min_saving=0.0) if name == "compact" else contextlib.nullcontext():
-                    loss = ddp(torch.randn(64, 16)).square().mean()  # 64 x 128 ReLU outputs: compacted
+                sc = {"compact": relu_ext.save_compact(min_saving=0.0), "bn_recompute": relu_ext.save_compact()}.get(name)
+                with sc or contextlib.nullcontext():
+                    loss = ddp(torch.randn(64, 16)).square().mean()  # 64 x 128 ReLU outputs: compacted / replayed
+                replayed += sc.replayed if name == "bn_recompute" else 0
                 loss.backward()
                 opt.step()
             grads[name] = [p.grad.clone() for p in model.parameters()] + [p.detach().clone() for p in model.parameters()]
             grads[name + "_nodes"] = _node_names(ddp(torch.randn(2, 16)))
             if hold is not None:
                 hold.remove()
+        grads["replayed"] = replayed
         if rank == 0:
             torch.save(grads, out_file)
     finally:
@@ -71,3 +81,7 @@ def test_ddp_gloo_matches_nn_relu(tmp_path):
     for name in ("family_ours", "family_installed"):
         assert {"HardtanhExtBackward0", "LeakyReluExtBackward0"} <= grads[name + "_nodes"], grads[name + "_nodes"]
     assert "HardtanhBackward0" in grads["family_ref_nodes"]
+    assert len(grads["bn_recompute"]) == len(grads["bn_ref"]) == 20
+    for a, b in zip(grads["bn_recompute"], grads["bn_ref"]):
+        assert torch.equal(a, b)
+    assert grads["replayed"] == 3 * 2  # 3 steps, 2 ReLU outputs each (the second one 64 x 64 = 4096 elements)

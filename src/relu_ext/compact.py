@@ -18,6 +18,17 @@ any data. Values are moved as integers of their width, so NaN payloads, -0.0
 and denormals come back unchanged. The work is done by the ops
 ``relu_ext::compact`` / ``expand`` / ``nonzero_mask`` (csrc/compact_cpu.cpp on
 the CPU, csrc/relu_cuda_kernels.cuh on CUDA).
+
+Recompute (on by default): an activation output whose input is a BatchNorm
+output (``NativeBatchNormBackward0``, training or eval) is kept as a recipe
+instead: a reference to the BatchNorm's input, which its node keeps anyway,
+and two numbers per channel, from which it is rebuilt in backward exactly as
+PyTorch's CPU kernels computed it (``relu_ext::bn_terms`` /
+``bn_act_rebuild``, csrc/replay_cpu.cpp). It is verified bit for bit against
+the real tensor when packed (``bn_act_verify``); what misses is compacted or
+kept as it is. The BatchNorm's saved tensors are read without unpacking them
+(``SavedTensor.data``), and only when they are plain tensors or this
+context's own dense ones, so no other hook runs and nothing is held twice.
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 _RELU_NODES = frozenset({"ReluBackward0", "ReluExtBackward0"})
+# BatchNorm nodes whose output the CPU replay rebuilds (PyTorch's CPU kernel; cudnn's is CUDA's).
+_BN_NODES = frozenset({"NativeBatchNormBackward0"})
 
 
 def _family_nodes() -> dict[str, tuple[Any, bool]]:
@@ -60,35 +73,88 @@ def _mostly_zeros(fn: Any) -> bool:
     act, ours = hit
     args = fn._saved_args if ours else tuple(getattr(fn, f"_saved_{p}", None) for p in act.params)
     return bool(act.zeros(args))
+
+
+def _activation_of(fn: Any) -> tuple[str, list[float]] | None:
+    """The op and Scalar arguments of the activation whose node is `fn`, as the
+    replay takes them, or None (another node, or PyTorch's ThresholdBackward0,
+    which does not keep ``value``)."""
+    name = fn.name()
+    if name in _RELU_NODES:
+        return "relu", []
+    hit = _FAMILY_NODES.get(name)
+    if hit is None:
+        return None
+    act, ours = hit
+    args = fn._saved_args[: len(act.params)] if ours else tuple(getattr(fn, f"_saved_{p}", None) for p in act.params)
+    if any(a is None for a in args):
+        return None
+    return act.name, [float(a) for a in args]
+
+
+def _after_batchnorm(fn: Any) -> bool:
+    """Whether `fn` is an activation node whose input is a BatchNorm output the replay takes."""
+    if fn.name() not in _RELU_NODES and fn.name() not in _FAMILY_NODES:
+        return False
+    prev = fn.next_functions[0][0] if fn.next_functions else None
+    return prev is not None and prev.name() in _BN_NODES
+
+
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
 
 
 _ops = torch.ops.relu_ext
 
 
-class Compacted:
-    """A saved tensor as its kept elements and a bitmap of where they are."""
+def _check_version(t: Tensor, version: int, why: str) -> None:
+    """PyTorch's in-place error where `t` changed (its version counter) since it was saved."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+            f"{version} instead ({why})."
+        )
 
-    __slots__ = ("values", "mask", "size", "stride", "pending", "restored", "nbytes")
 
-    def __init__(self, values: Tensor, mask: Tensor, like: Tensor) -> None:
-        self.values, self.mask, self.size, self.stride = values, mask, like.size(), like.stride()
-        self.nbytes = values.nbytes + mask.nbytes  # what it adds to the graph (less when the mask is the node's)
+class _Shared:
+    """A saved tensor kept in another form, rebuilt for backward (``rebuild``).
+
+    Saved by several nodes (a ReLU and the conv after it), it is rebuilt
+    once: the first unpack keeps the result until the last of them has
+    unpacked it, as the graph would have held the tensor without hooks.
+    Unpacked again (retain_graph), it is rebuilt again each time.
+    """
+
+    __slots__ = ("pending", "restored", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes  # what it adds to the graph
         self.pending = 0  # nodes that saved this and have not unpacked it yet
         self.restored: Tensor | None = None
 
-    def restore(self) -> Tensor:
-        """The saved tensor, bit for bit, in its own layout.
+    def rebuild(self) -> Tensor:
+        raise NotImplementedError
 
-        Saved by several nodes (a ReLU and the conv after it), it is expanded
-        once: the first unpack keeps the result until the last of them has
-        unpacked it, as the graph would have held the tensor without hooks.
-        Unpacked again (retain_graph), it is expanded again each time.
-        """
-        t = self.restored if self.restored is not None else _ops.expand(self.values, self.mask, self.size, self.stride)
+    def restore(self) -> Tensor:
+        """The saved tensor, bit for bit, in its own layout."""
+        t = self.restored if self.restored is not None else self.rebuild()
         self.pending -= 1
         self.restored = t if self.pending > 0 else None
         return t
+
+
+class Compacted(_Shared):
+    """A saved tensor as its kept elements and a bitmap of where they are."""
+
+    __slots__ = ("values", "mask", "size", "stride")
+
+    def __init__(self, values: Tensor, mask: Tensor, like: Tensor) -> None:
+        super().__init__(values.nbytes + mask.nbytes)  # (less when the mask is the node's: see _compacted)
+        self.values, self.mask, self.size, self.stride = values, mask, like.size(), like.stride()
+
+    def rebuild(self) -> Tensor:
+        """The saved tensor, bit for bit, in its own layout."""
+        return _ops.expand(self.values, self.mask, self.size, self.stride)
 
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
@@ -106,18 +172,74 @@ class _Dense:
         self.tensor, self.version = tensor.detach(), tensor._version
 
     def restore(self) -> Tensor:
-        if self.tensor._version != self.version:
-            t = self.tensor
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-                f"{self.version} instead (checked by relu_ext.save_compact, which saved it as it was)."
-            )
+        _check_version(self.tensor, self.version, "checked by relu_ext.save_compact, which saved it as it was")
         return self.tensor
 
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
         return (self.tensor,)
+
+
+class Replayed(_Shared):
+    """A saved activation output as a recipe: the BatchNorm input it was computed from
+    (held by the BatchNorm's node anyway), the BatchNorm's per-channel terms, the activation."""
+
+    __slots__ = ("x", "version", "alpha", "beta", "act", "args")
+
+    def __init__(self, x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float]) -> None:
+        super().__init__(alpha.nbytes + beta.nbytes)
+        self.x, self.version, self.alpha, self.beta, self.act, self.args = x, x._version, alpha, beta, act, args
+
+    def rebuild(self) -> Tensor:
+        """The saved tensor, bit for bit, in its own layout (the BatchNorm input's)."""
+        _check_version(self.x, self.version, "relu_ext.save_compact rebuilds an activation output from this "
+                       "BatchNorm input, which changed after the forward")
+        return _ops.bn_act_rebuild(self.x, self.alpha, self.beta, self.act, self.args)
+
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive beyond what the graph holds anyway (for memory accounting)."""
+        return self.alpha, self.beta
+
+
+def _peek(saved: Any, unpack: Any) -> Tensor | None:
+    """The tensor a node saved, read without unpacking it: a tensor saved with no hooks,
+    or one this context saved as it is; None for anything else (compacted, or packed
+    by other hooks, whose unpacking could run code or copy data)."""
+    hook = saved.unpack_hook
+    data = saved.data
+    if hook is None:
+        return data
+    if hook is unpack and isinstance(data, _Dense) and data.tensor._version == data.version:
+        return data.tensor
+    return None
+
+
+def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
+    """`t` (an activation output after a BatchNorm) as a verified recipe, or None; and
+    whether a recipe was tried and missed verification."""
+    act = _activation_of(t.grad_fn)
+    bn = t.grad_fn.next_functions[0][0]
+    if act is None or t.device.type != "cpu":
+        return None, False
+    x = _peek(bn._raw_saved_input, unpack)
+    if x is None or x.dtype != t.dtype or x.shape != t.shape or x.stride() != t.stride() or x.dim() < 2:
+        return None, False  # (t is dense, so x is too)
+    training = bool(bn._saved_training)
+    names = ("result1", "result2") if training else ("running_mean", "running_var")
+    mean, var = (_peek(getattr(bn, f"_raw_saved_{n}"), unpack) for n in names)
+    weight_saved = bn._raw_saved_weight
+    weight = None if weight_saved is None or weight_saved.data is None else _peek(weight_saved, unpack)
+    if mean is None or var is None or (weight_saved is not None and weight_saved.data is not None and weight is None):
+        return None, False
+    bias_fn = bn.next_functions[2][0] if len(bn.next_functions) > 2 else None
+    bias = getattr(bias_fn, "variable", None)  # an AccumulateGrad's parameter; else none (or frozen: verified)
+    alpha, beta = _ops.bn_terms(
+        None if weight is None else weight.detach(), None if bias is None else bias.detach(), mean.detach(),
+        var.detach(), training, float(bn._saved_eps), t.dtype)
+    x = x.detach()
+    if not bool(_ops.bn_act_verify(x, alpha, beta, act[0], act[1], t.detach())):
+        return None, True
+    return Replayed(x, alpha, beta, act[0], act[1]), False
 
 
 def _compacted(t: Tensor, min_saving: float) -> Compacted | None:
@@ -142,6 +264,7 @@ def _compacted(t: Tensor, min_saving: float) -> Compacted | None:
 # Why a tensor was saved as it is: save_compact.kept_by_reason's keys, and the words report() uses.
 _REASONS = {
     "not_activation": "not an activation output",
+    "not_replayed": "not rebuilt from its BatchNorm (and not mostly zeros)",
     "unsupported": "unsupported type",
     "too_small": "too small",
     "too_few_zeros": "too few zeros",
@@ -151,12 +274,13 @@ _REASONS = {
 class _Stats:
     """What a save_compact's pack hook did (kept apart from the context: the hook holds this, not the context)."""
 
-    __slots__ = ("compacted", "kept_by_reason", "compacted_bytes", "compacted_held", "kept_bytes")
+    __slots__ = ("compacted", "replayed", "replay_misses", "kept_by_reason", "compacted_bytes", "compacted_held",
+                 "replayed_bytes", "replayed_held", "kept_bytes")
 
     def __init__(self) -> None:
-        self.compacted = 0
+        self.compacted = self.replayed = self.replay_misses = 0
         self.kept_by_reason = dict.fromkeys(_REASONS, 0)
-        self.compacted_bytes = self.compacted_held = self.kept_bytes = 0
+        self.compacted_bytes = self.compacted_held = self.replayed_bytes = self.replayed_held = self.kept_bytes = 0
 
     def keep(self, reason: str, t: Tensor) -> None:
         """Count `t`, saved as it is for `reason`."""
@@ -173,40 +297,34 @@ def _size(n: int) -> str:
 
 
 class save_compact(torch.autograd.graph.saved_tensors_hooks):
-    """Keep ReLU outputs saved for backward as bitmap + nonzero values, restored bit for bit.
+    """Keep activation outputs saved for backward small: rebuilt from their BatchNorm, or compacted; bit for bit.
 
-    A context manager of saved-tensor hooks, like
-    :class:`torch.autograd.graph.save_on_cpu`: put it around the forward pass
-    of a training step. The outputs of ReLU (PyTorch's or relu_ext's) and of
-    the family where they are mostly zeros (ReLU6, Hardtanh with ``min_val=0``,
-    Threshold with ``value=0``, Hardsigmoid) that some node saves for backward
-    are kept compacted, once however many nodes save them. A ReLU output
-    changed in place after it was saved gives backward the values it had when
-    saved (compacted) or PyTorch's in-place error (saved as it is), never the
-    changed data.
+    Saved-tensor hooks, like :class:`torch.autograd.graph.save_on_cpu`: put it
+    around the forward pass of a training step. An output of ReLU or the family
+    (PyTorch's or relu_ext's) that some node saves is kept once, however many
+    nodes save it: *replayed* where its input is a BatchNorm output (CPU): a
+    reference to the BatchNorm's input, which its node keeps anyway, and two
+    numbers per channel, verified bit for bit when saved and rebuilt in
+    backward; else *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with
+    ``min_val=0``, Threshold with ``value=0``, Hardsigmoid): nonzero values
+    plus a bitmap. Data changed in place after the forward gives backward the
+    values it had then, or PyTorch's in-place error; never the changed data.
 
-    ``with`` gives the context itself, which reports what its hooks did (totals
-    over every ``with`` block it was used in; each distinct tensor counted once,
-    however many nodes saved it):
-
-    - ``compacted`` (int): tensors kept compacted;
-    - ``kept`` (int): tensors saved as they are; ``kept_by_reason``
-      (dict[str, int]) says why: ``"not_activation"`` (no such activation
-      output: inputs, weights, other layers' outputs), ``"too_small"`` (under
-      4096 elements), ``"too_few_zeros"`` (compacting would save less than
-      ``min_saving``), ``"unsupported"`` (a tensor subclass, or not floating
-      point, dense and strided, on the CPU or CUDA);
-    - ``bytes_saved_for_backward`` (int): what those tensors hold
-      (``nbytes`` each), what the graph would hold without the hooks;
-    - ``bytes_held`` (int): what the graph holds with them: tensors kept as
-      they are, plus the compacted ones' values and bitmaps (a relu_ext
-      output's bitmap is its node's mask, held anyway: not counted);
-    - ``report()`` (str): all of it in words; ``repr()`` in one line.
+    ``with`` gives the context, which counts what its hooks did (over all its
+    blocks; each distinct tensor once): ``replayed``, ``replay_misses`` (recipes
+    that failed their check; then compacted or kept), ``compacted``, ``kept``
+    and ``kept_by_reason`` (``not_activation``, ``not_replayed``, ``too_small``
+    (under 4096 elements), ``too_few_zeros``, ``unsupported``),
+    ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
+    ``bytes_held`` (what it holds with them; a relu_ext mask or a BatchNorm
+    input held anyway is not counted), ``report()`` in words and ``repr()``.
+    Details: docs/save_compact.md.
 
     Args:
         min_saving (float): compact a tensor only if that saves at least this
-            fraction of its bytes; denser ones are saved as they are.
-            Default: ``0.1``.
+            fraction of its bytes. Default: ``0.1``.
+        recompute (bool): keep activation outputs after a BatchNorm as
+            recipes (CPU tensors). Default: ``True``.
 
     Example::
 
@@ -226,10 +344,11 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     compacted once; the input and the second Linear's weight are kept.)
     """
 
-    def __init__(self, min_saving: float = 0.1) -> None:
+    def __init__(self, min_saving: float = 0.1, recompute: bool = True) -> None:
         if not 0.0 <= min_saving < 1.0:
             raise ValueError(f"relu_ext.save_compact: min_saving must be in [0, 1), got {min_saving}")
         self.min_saving = min_saving
+        self.recompute = recompute = bool(recompute)
         # Saved by several nodes (a ReLU output and the conv after it), a tensor
         # is compacted once. Keyed by the tensor itself, weakly: data pointers
         # are reused as soon as memory is freed. None: saved as it is.
@@ -245,7 +364,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         kept_by_reason = stats.kept_by_reason
 
         def pack(t: Tensor) -> Any:
-            why = _why_kept(t)
+            why = _why_kept(t, recompute)
             if why is not None:
                 key = id(t)
                 ref = seen.get(key)
@@ -260,15 +379,25 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                 return _Dense(t)
             hit = cache.get(t)
             if hit is None or hit[0] != t._version:
+                fn, packed, missed = t.grad_fn, None, False
                 with torch.no_grad():
-                    hit = (t._version, _compacted(t, min_saving))
-                cache[t] = hit  # counted again when changed in place: a second compact form is held
-                if hit[1] is None:
-                    stats.keep("too_few_zeros", t)
-                else:
+                    if recompute and _after_batchnorm(fn):
+                        packed, missed = _replayed(t, unpack)
+                    if packed is None and _mostly_zeros(fn):
+                        packed = _compacted(t, min_saving)
+                hit = (t._version, packed)
+                cache[t] = hit  # counted again when changed in place: a second form is held
+                stats.replay_misses += missed
+                if isinstance(packed, Replayed):
+                    stats.replayed += 1
+                    stats.replayed_bytes += t.nbytes
+                    stats.replayed_held += packed.nbytes
+                elif packed is not None:
                     stats.compacted += 1
                     stats.compacted_bytes += t.nbytes
-                    stats.compacted_held += hit[1].nbytes
+                    stats.compacted_held += packed.nbytes
+                else:
+                    stats.keep("too_few_zeros" if _mostly_zeros(fn) else "not_replayed", t)
             if hit[1] is None:
                 return _Dense(t)
             hit[1].pending += 1
@@ -289,6 +418,16 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         return self._stats.compacted
 
     @property
+    def replayed(self) -> int:
+        """Distinct tensors saved for backward that were kept as recipes (rebuilt from their BatchNorm)."""
+        return self._stats.replayed
+
+    @property
+    def replay_misses(self) -> int:
+        """Recipes that failed their bit-for-bit check when saved (those tensors were compacted or kept)."""
+        return self._stats.replay_misses
+
+    @property
     def kept(self) -> int:
         """Distinct tensors saved for backward as they are (``kept_by_reason`` says why)."""
         return sum(self._stats.kept_by_reason.values())
@@ -301,22 +440,26 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     @property
     def bytes_saved_for_backward(self) -> int:
         """Bytes of the distinct tensors saved for backward: what the graph would hold without the hooks."""
-        return self._stats.compacted_bytes + self._stats.kept_bytes
+        return self._stats.compacted_bytes + self._stats.replayed_bytes + self._stats.kept_bytes
 
     @property
     def bytes_held(self) -> int:
-        """Bytes the graph holds for them: tensors kept as they are plus the compacted ones' values and bitmaps."""
-        return self._stats.compacted_held + self._stats.kept_bytes
+        """Bytes the graph holds for them: tensors kept as they are, the compacted ones' values and bitmaps,
+        the recipes' per-channel terms."""
+        return self._stats.compacted_held + self._stats.replayed_held + self._stats.kept_bytes
 
     def report(self) -> str:
         """What the hooks did, in words (see the class documentation)."""
         st, total, held = self._stats, self.bytes_saved_for_backward, self.bytes_held
-        n = self.compacted + self.kept
+        n = self.replayed + self.compacted + self.kept
         share = f" ({100 * held / total:.1f}%)" if total else ""
         why = ", ".join(f"{k} {_REASONS[r]}" for r, k in st.kept_by_reason.items() if k)
         return "\n".join([
             f"relu_ext.save_compact: {n} tensor{'s' * (n != 1)} saved for backward, {_size(total)}, "
             f"held in {_size(held)}{share}",
+            *([f"  replayed: {st.replayed} tensor{'s' * (st.replayed != 1)}, {_size(st.replayed_bytes)} held in "
+               f"{_size(st.replayed_held)} (rebuilt from their BatchNorm's input); {st.replay_misses} verification "
+               f"miss{'es' * (st.replay_misses != 1)}"] if st.replayed or st.replay_misses else []),
             f"  compacted: {st.compacted} tensor{'s' * (st.compacted != 1)}, {_size(st.compacted_bytes)} held in "
             f"{_size(st.compacted_held)}",
             f"  kept as they are: {self.kept} tensor{'s' * (self.kept != 1)}, {_size(st.kept_bytes)}"
@@ -325,17 +468,19 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
 
     def __repr__(self) -> str:
         return (
-            f"<relu_ext.save_compact min_saving={self.min_saving} compacted={self.compacted} kept={self.kept} "
+            f"<relu_ext.save_compact min_saving={self.min_saving} recompute={self.recompute} replayed={self.replayed} "
+            f"compacted={self.compacted} kept={self.kept} "
             f"bytes_saved_for_backward={self.bytes_saved_for_backward} bytes_held={self.bytes_held}>"
         )
 
 
-def _why_kept(t: Tensor) -> str | None:
+def _why_kept(t: Tensor, recompute: bool) -> str | None:
     """Why `t` is saved as it is (a key of ``_REASONS``), or None when it is a plain
-    dense floating-point output of ReLU (or of the family, where mostly zeros)
-    worth compacting. Cheapest checks first: the pack hook asks for every tensor."""
+    dense floating-point output of ReLU or the family worth keeping smaller: mostly
+    zeros (compaction), or, with `recompute`, after a BatchNorm (a recipe). Cheapest
+    checks first: the pack hook asks for every tensor."""
     fn = t.grad_fn
-    if fn is None or not _mostly_zeros(fn):
+    if fn is None or not (_mostly_zeros(fn) or (recompute and _after_batchnorm(fn))):
         return "not_activation"
     if (
         type(t) is not torch.Tensor

@@ -75,6 +75,23 @@ def _nonzero_mask_fake(y: Tensor) -> Tensor:
     return y.new_empty((_mask_numel(y),), dtype=torch.uint8)
 
 
+@torch.library.register_fake("relu_ext::bn_terms")
+def _bn_terms_fake(weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, training: bool, eps: float,
+                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    opmath = torch.float64 if dtype == torch.float64 else torch.float32
+    return mean.new_empty(mean.shape, dtype=opmath), mean.new_empty(mean.shape, dtype=opmath)
+
+
+@torch.library.register_fake("relu_ext::bn_act_verify")
+def _bn_act_verify_fake(x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float], y: Tensor) -> Tensor:
+    return x.new_empty((), dtype=torch.bool)
+
+
+@torch.library.register_fake("relu_ext::bn_act_rebuild")
+def _bn_act_rebuild_fake(x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float]) -> Tensor:
+    return x.new_empty_strided(x.shape, x.stride())
+
+
 def _per_sample(batch_size: int, fn: Callable[[int], Any]) -> list[Any]:
     return [fn(b) for b in range(batch_size)]
 

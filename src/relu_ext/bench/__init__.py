@@ -27,9 +27,11 @@ Sections (--what):
            models (torchvision resnet18, resnet50, vgg11, googlenet,
            densenet121, mobilenet_v2, a darknet-style CNN and a transformers
            T5 with ReLU, random weights, training mode; --quick: resnet18 and
-           T5 at toy sizes) under four
+           T5 at toy sizes) under five
            configurations, nn.ReLU, install (relu_ext.install()),
-           install+compact (and relu_ext.save_compact()) and nn.ReLU+compact:
+           install+compact (and relu_ext.save_compact(recompute=False)),
+           install+recompute (and relu_ext.save_compact()) and
+           nn.ReLU+compact:
            bytes their autograd graph holds after forward (counted exactly
            from what the saved-tensor hooks keep), the peak of one training
            step (one fresh process per configuration) and its time

@@ -20,7 +20,7 @@ import relu_ext
 
 ops = torch.ops.relu_ext
 IMPLS = ["torch", "torch_out", "compile", "triton", "seed", "relu_ext", "installed"]
-CASES = ["fwd", "fwd (train)", "bwd", "fwd+bwd", "in-place", "compact", "expand"]
+CASES = ["fwd", "fwd (train)", "bwd", "fwd+bwd", "in-place", "compact", "expand", "bn check", "bn rebuild"]
 SMALL_CASES = ["fwd", "fwd+bwd", "module fwd", "module fwd+bwd"]
 
 # {case: {impl: (fn, bytes it must move at least)}}
@@ -214,6 +214,15 @@ def kernel_cases(x: Tensor, impls: list[str]) -> Cases:
             cases["compact"][impl] = (lambda: ops.compact(y_ref, mask), n * e + mask_bytes + kept)
             cases["expand"][impl] = (lambda: ops.expand(values, mask, y_ref.shape, y_ref.stride()),
                                      kept + mask_bytes + n * e)
+            if x.device.type == "cpu":
+                # save_compact's recipe of a BatchNorm -> ReLU output (one channel, so one run of n elements):
+                # checked (reads the BatchNorm's input and the output), rebuilt (reads the one, writes the other).
+                xb = x.view(1, 1, n)
+                opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+                alpha, beta = torch.full((1,), 1.5, dtype=opmath), torch.full((1,), -0.25, dtype=opmath)
+                yb = ops.bn_act_rebuild(xb, alpha, beta, "relu", [])
+                cases["bn check"][impl] = (lambda: ops.bn_act_verify(xb, alpha, beta, "relu", [], yb), 2 * n * e)
+                cases["bn rebuild"][impl] = (lambda: ops.bn_act_rebuild(xb, alpha, beta, "relu", []), 2 * n * e)
     return {c: v for c, v in cases.items() if v}
 
 

@@ -1,10 +1,12 @@
-"""Real models (torchvision, transformers; random weights, built from configs) under four
+"""Real models (torchvision, transformers; random weights, built from configs) under five
 memory configurations: the bytes their autograd graph holds after forward, the peak of one
 training step, and its time.
 
 Configurations: ``nn.ReLU`` (PyTorch as it is), ``install`` (relu_ext.install(): every ReLU
-is relu_ext's), ``install+compact`` (and relu_ext.save_compact() around the forward),
-``nn.ReLU+compact`` (save_compact() alone, on PyTorch's own ReLU). Compiled (the ``compiled``
+is relu_ext's), ``install+compact`` (and relu_ext.save_compact(recompute=False) around the
+forward: compaction alone), ``install+recompute`` (and relu_ext.save_compact() as it comes:
+activation outputs after a BatchNorm rebuilt from it, the others compacted),
+``nn.ReLU+compact`` (save_compact(recompute=False) alone, on PyTorch's own ReLU). Compiled (the ``compiled``
 section): ``compile nn.ReLU`` (torch.compile of the model as it is) and ``compile relu_ext``
 (of a copy whose nn.ReLU modules relu_ext.convert() swapped; the compiler keeps relu_ext's op
 as it is, so it fuses nothing into it). install() and save_compact() change nothing in a
@@ -39,7 +41,7 @@ from . import models, peers, timing
 
 MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "mobilenet_v2", "darknet", "t5_relu"]
 QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
-CONFIGS = ["nn.ReLU", "install", "install+compact", "nn.ReLU+compact"]
+CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReLU+compact"]
 COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
 # The package each built-in model needs beyond torch (None: built here); the others need torchvision.
 NEEDS = {"darknet": None, "t5_relu": "transformers"}
@@ -200,8 +202,13 @@ def loss_of(model: nn.Module, inputs: Any) -> Tensor:
     return model(inputs).float().square().mean()
 
 
-def compacting(config: str) -> bool:
-    return config.endswith("+compact")
+def saving(config: str) -> relu_ext.save_compact | None:
+    """The save_compact() a configuration's forward runs under, or None."""
+    if config.endswith("+recompute"):
+        return relu_ext.save_compact()
+    if config.endswith("+compact"):
+        return relu_ext.save_compact(recompute=False)
+    return None
 
 
 def installing(config: str) -> Callable[[], Any]:
@@ -222,8 +229,8 @@ def held_bytes(model: nn.Module, inputs: Any, config: str) -> int:
             if s.data_ptr() not in skip:
                 seen[s.data_ptr()] = s.nbytes()
 
-    if compacting(config):
-        inner = relu_ext.save_compact()
+    inner = saving(config)
+    if inner is not None:
 
         def pack(t: Tensor) -> Any:
             packed = inner.pack_hook(t)
@@ -256,7 +263,7 @@ def step_fn(model: nn.Module, inputs: Any, config: str) -> Callable[[], Tensor]:
 
     def step() -> Tensor:
         opt.zero_grad(set_to_none=False)
-        with relu_ext.save_compact() if compacting(config) else contextlib.nullcontext():
+        with saving(config) or contextlib.nullcontext():
             loss = loss_of(model, inputs)
         loss.backward()
         opt.step()

@@ -147,10 +147,11 @@ def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training
     if not rows:
         return []
     configs = list(rows[0]["results"])
-    lead = min(26, max(14, *(len(r[k]) for r in rows for k in ("model", "dtype", "input"))))
+    # (A longer model name than the dtype and input takes a line of its own, so that 5 configurations fit.)
+    lead = min(26, max(14, *(len(r[k]) + 2 for r in rows for k in ("dtype", "input"))))
     lines = ["", f"{title}: value and vs {configs[0]} (<1 less) for each configuration",
-             f"{'model':{lead}} {'':9}" + "".join(f"{c:>21}" for c in configs),
-             f"{'  dtype, input':{lead}} {'metric':9}" + f"{'value':>9}{'x vs torch':>11} " * len(configs)]
+             f"{'model':{lead}} {'':9}" + "".join(f"{c:>18}" for c in configs),
+             f"{'  dtype, input':{lead}} {'metric':9}" + f"{'value':>9}{'x vs T':>8} " * len(configs)]
     lines.append("-" * len(lines[-1]))
     metrics = [("held MiB", lambda m: m["held_bytes"] / 2**20, "held_vs_torch"),
                ("peak MiB", lambda m: None if m["peak_bytes"] is None else m["peak_bytes"] / 2**20, "peak_vs_torch"),
@@ -162,7 +163,7 @@ def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training
             model = ""
         for name, (label, value, ratio) in zip((model, "  " + r["dtype"], "  " + r["input"]), metrics):
             cells = [(f"{'n/a':>9}" if value(m) is None else _fig(value(m)))
-                     + (f"{'n/a':>11}" if m[ratio] is None else f"{m[ratio]:11.2f}")
+                     + (f"{'n/a':>8}" if m[ratio] is None else f"{m[ratio]:8.2f}")
                      + (_mark(m["marks"]) if label == "step ms" else " ") for m in r["results"].values()]
             lines.append(f"{name[:lead]:{lead}} {label:9}" + "".join(cells))
     methods = {m["peak_method"] for r in rows for m in r["results"].values()}
@@ -188,7 +189,7 @@ def format_tables(result: dict[str, Any]) -> str:
                   f"Do not trust marked figures."]
     lines += _kernel_grid(result.get("kernels", []),
                           "kernels: GB/s of a copy_ of the same size (the ceiling) and of each implementation; copy: "
-                          "its % of the copy's\nGB/s; vs T: its time vs torch's (<1 faster; compact, expand, which "
+                          "its % of the copy's\nGB/s; vs T: its time vs torch's (<1 faster; compact, expand, bn, which "
                           "torch lacks: vs the copy's)", 11)
     lines += _kernel_grid(result.get("family", []),
                           "the family's kernels: GB/s, copy: % of a copy's GB/s, vs T: time vs torch's (<1 "

@@ -1,0 +1,246 @@
+// BatchNorm -> activation replay on the CPU (save_compact's recipes): an
+// activation output whose input is a BatchNorm output is rebuilt from what
+// the BatchNorm node keeps anyway (its input x) and two numbers per channel,
+// exactly as PyTorch's CPU kernels computed it (aten/src/ATen/native/cpu/
+// batch_norm_kernel.cpp):
+//   alpha = invstd * weight, beta = bias - mean * alpha   (opmath; one fma where the
+//                                                         parameters are in opmath, two roundings
+//                                                         where they are 16-bit: c10's Half /
+//                                                         BFloat16 operators are not contracted)
+//   invstd = 1 / sqrt(running_var + eps)                  (eval; training keeps save_invstd)
+//   bn = T(fma(x, alpha, beta))                           (opmath, rounded to x's dtype)
+//   y = act(bn)                                           (the trait's CPU forward)
+// PyTorch's kernels are built with FMA contraction for AVX2 / AVX-512; where
+// it ran otherwise (another ISA, a layout its fast paths do not take) the
+// replay differs, which the pack-time verification sees (bn_act_verify):
+// the tensor is then kept another way, never rebuilt wrong.
+//
+// An element's channel follows from its memory offset o in a dense tensor:
+// (o / stride(1)) % size(1). Runs of stride(1) elements share a channel
+// (NCHW: a plane), or, with stride(1) == 1 (channels last, N x C), rows of
+// size(1) elements walk the channels.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math", "no-math-errno", "fp-contract=off")  // vectorized selects and fma; no fma but ours
+#endif
+
+#include "activations.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define REPLAY_X86 1
+#define REPLAY_AVX2 __attribute__((target("avx2,fma")))
+#define REPLAY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,fma")))
+#endif
+#define REPLAY_INLINE inline __attribute__((always_inline))
+
+namespace relu_ext {
+namespace {
+
+constexpr int64_t kGrain = 32768;
+
+// ReLU as the replay needs it (relu.h's contract in opmath terms): x < 0 -> +0, else x.
+struct ReluAct {
+  static constexpr const char* kName = "relu";
+  static constexpr int kArgs = 0;
+  template <typename T>
+  struct Params {};
+  template <typename T, bool kCuda = false>
+  static Params<T> params(const ActArgs&) {
+    return {};
+  }
+  template <bool kCuda = false, typename T>
+  REPLAY_INLINE static T forward(T x, const Params<T>&) {
+    return to_m(x) < OpMath<T>(0) ? T(0) : x;
+  }
+};
+
+template <typename Fn>
+void with_act(const std::string& name, Fn&& fn) {
+  if (name == ReluAct::kName) return fn(ReluAct{});
+#define RELU_EXT_ACT(Act) \
+  if (name == Act::kName) return fn(Act{});
+  RELU_EXT_FAMILY(RELU_EXT_ACT)
+#undef RELU_EXT_ACT
+  TORCH_CHECK(false, "relu_ext: no activation '", name, "' to replay (relu, hardtanh, leaky_relu, threshold, hardsigmoid)");
+}
+
+template <typename T>
+REPLAY_INLINE auto bits_of(T v) {
+  using U = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+  U u;
+  std::memcpy(&u, &v, sizeof(T));
+  return u;
+}
+
+template <typename Act, typename T>
+using P = typename Act::template Params<T>;
+
+// One element: the BatchNorm output in T, then the activation.
+template <typename Act, typename T>
+REPLAY_INLINE T replay(T x, OpMath<T> a, OpMath<T> b, const P<Act, T>& p) {
+  return Act::forward(from_m<T>(std::fma(to_m(x), a, b)), p);
+}
+
+// One channel's stretch of `len` elements (a, b fixed) or a row of channels
+// (a, b arrays), in blocks of a fixed count with __restrict pointers, which
+// the compiler vectorizes (the 16-bit conversions included); kVerify:
+// compare with y (returns the OR of the bit differences), else write y.
+constexpr int64_t kBlock = 64;
+
+template <typename Act, typename T, bool kVerify, bool kRow, typename U>
+REPLAY_INLINE void one(const T* __restrict x, T* __restrict y, const OpMath<T>* __restrict ar,
+                       const OpMath<T>* __restrict br, OpMath<T> a, OpMath<T> b, int64_t j, const P<Act, T>& p,
+                       U& diff) {
+  const T v = replay<Act>(x[j], kRow ? ar[j] : a, kRow ? br[j] : b, p);
+  if constexpr (kVerify) {
+    diff |= bits_of(v) ^ bits_of(y[j]);
+  } else {
+    std::memcpy(y + j, &v, sizeof(T));  // (a 16-bit struct's member store keeps GCC from vectorizing)
+  }
+}
+
+template <typename Act, typename T, bool kVerify, bool kRow>
+REPLAY_INLINE uint64_t stretch(const T* __restrict x, T* __restrict y, const OpMath<T>* __restrict ar,
+                               const OpMath<T>* __restrict br, OpMath<T> a, OpMath<T> b, int64_t len,
+                               const P<Act, T>& p) {
+  using U = decltype(bits_of(T{}));
+  U diff = 0;
+  int64_t j = 0;
+  for (; j + kBlock <= len; j += kBlock) {
+    for (int64_t k = j; k < j + kBlock; ++k) one<Act, T, kVerify, kRow>(x, y, ar, br, a, b, k, p, diff);
+  }
+  for (; j < len; ++j) one<Act, T, kVerify, kRow>(x, y, ar, br, a, b, j, p, diff);
+  return diff;
+}
+
+// Elements [begin, end) in memory order, split into stretches of one channel
+// (runs of `inner` elements) or rows of channels (inner == 1).
+template <typename Act, typename T, bool kVerify>
+REPLAY_INLINE uint64_t body(const T* x, const OpMath<T>* alpha, const OpMath<T>* beta, T* y, int64_t inner,
+                            int64_t channels, int64_t begin, int64_t end, const P<Act, T>& params) {
+  const P<Act, T> p = params;
+  uint64_t diff = 0;
+  int64_t o = begin;
+  while (o < end) {
+    if (inner == 1) {
+      const int64_t c0 = o % channels, stop = std::min(end, o + channels - c0);
+      diff |= stretch<Act, T, kVerify, true>(x + o, y + o, alpha + c0, beta + c0, 0, 0, stop - o, p);
+      o = stop;
+    } else {
+      const int64_t k = o / inner, stop = std::min(end, (k + 1) * inner);
+      diff |= stretch<Act, T, kVerify, false>(x + o, y + o, nullptr, nullptr, alpha[k % channels],
+                                              beta[k % channels], stop - o, p);
+      o = stop;
+    }
+  }
+  return diff;
+}
+
+template <typename Act, typename T, bool kVerify>
+using BodyFn = uint64_t (*)(const T*, const OpMath<T>*, const OpMath<T>*, T*, int64_t, int64_t, int64_t, int64_t,
+                            const P<Act, T>&);
+
+template <typename Act, typename T, bool kVerify>
+uint64_t body_scalar(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c, int64_t begin,
+                     int64_t end, const P<Act, T>& p) {
+  return body<Act, T, kVerify>(x, a, b, y, inner, c, begin, end, p);
+}
+#ifdef REPLAY_X86
+template <typename Act, typename T, bool kVerify>
+REPLAY_AVX2 uint64_t body_avx2(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c,
+                               int64_t begin, int64_t end, const P<Act, T>& p) {
+  return body<Act, T, kVerify>(x, a, b, y, inner, c, begin, end, p);
+}
+template <typename Act, typename T, bool kVerify>
+REPLAY_AVX512 uint64_t body_avx512(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c,
+                                   int64_t begin, int64_t end, const P<Act, T>& p) {
+  return body<Act, T, kVerify>(x, a, b, y, inner, c, begin, end, p);
+}
+#endif
+
+// The kernel set in use (cpu_kernels()), where the CPU also has FMA (the vector
+// sets' targets include it); else the portable loop, whose std::fma is exact too.
+template <typename Act, typename T, bool kVerify>
+BodyFn<Act, T, kVerify> pick() {
+#ifdef REPLAY_X86
+  static const bool fma = __builtin_cpu_supports("fma");
+  if (fma && cpu_kernels() == kAvx512) return &body_avx512<Act, T, kVerify>;
+  if (fma && cpu_kernels() == kAvx2) return &body_avx2<Act, T, kVerify>;
+#endif
+  return &body_scalar<Act, T, kVerify>;
+}
+
+ActArgs act_args(c10::ArrayRef<double> args) {
+  ActArgs a;
+  for (size_t i = 0; i < args.size() && i < a.size(); ++i) a[i] = c10::Scalar(args[i]);
+  return a;
+}
+
+}  // namespace
+
+void bn_terms_cpu(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                  const at::Tensor& mean, const at::Tensor& var, bool training, double eps, const at::Tensor& alpha,
+                  const at::Tensor& beta) {
+  AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "bn_terms", [&] {
+    using M = scalar_t;  // opmath
+    const int64_t channels = alpha.numel();
+    const at::Tensor m = mean.to(alpha.scalar_type()).contiguous(), v = var.to(alpha.scalar_type()).contiguous();
+    const at::Tensor w = weight ? weight->to(alpha.scalar_type()).contiguous() : at::Tensor();
+    const at::Tensor b = bias ? bias->to(alpha.scalar_type()).contiguous() : at::Tensor();
+    const M* mp = m.const_data_ptr<M>();
+    const M* vp = v.const_data_ptr<M>();
+    const M* wp = w.defined() ? w.const_data_ptr<M>() : nullptr;
+    const M* bp = b.defined() ? b.const_data_ptr<M>() : nullptr;
+    M* ap = alpha.data_ptr<M>();
+    M* betap = beta.data_ptr<M>();
+    const bool fused = mean.scalar_type() == alpha.scalar_type();
+    for (int64_t c = 0; c < channels; ++c) {
+      // The parameters' own dtype converts to opmath exactly; the arithmetic is PyTorch's.
+      const M invstd = training ? vp[c] : M(1) / std::sqrt(vp[c] + static_cast<M>(eps));
+      ap[c] = invstd * (wp ? wp[c] : M(1));
+      const M b0 = bp ? bp[c] : M(0);
+      betap[c] = fused ? std::fma(-mp[c], ap[c], b0) : b0 - mp[c] * ap[c];  // (no contraction in this file)
+    }
+  });
+}
+
+bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const std::string& act,
+                c10::ArrayRef<double> args, const at::Tensor& y, bool verify) {
+  const int64_t n = x.numel(), channels = x.size(1);
+  const int64_t inner = channels == 1 ? n : x.stride(1);
+  std::atomic<bool> differs{false};
+  with_act(act, [&](auto tag) {
+    using Act = decltype(tag);
+    TORCH_CHECK(static_cast<int64_t>(args.size()) == Act::kArgs, "relu_ext: ", act, " takes ", Act::kArgs,
+                " arguments, got ", args.size());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bn_act", [&] {
+      const auto p = Act::template params<scalar_t>(act_args(args));
+      const scalar_t* xp = x.const_data_ptr<scalar_t>();
+      const OpMath<scalar_t>* ap = alpha.const_data_ptr<OpMath<scalar_t>>();
+      const OpMath<scalar_t>* bp = beta.const_data_ptr<OpMath<scalar_t>>();
+      // Verification only reads y; the kernel's pointer is non-const for the rebuild.
+      scalar_t* yp = const_cast<scalar_t*>(y.const_data_ptr<scalar_t>());
+      if (verify) {
+        const auto fn = pick<Act, scalar_t, true>();
+        at::parallel_for(0, n, kGrain, [&](int64_t b0, int64_t b1) {
+          if (!differs.load(std::memory_order_relaxed) && fn(xp, ap, bp, yp, inner, channels, b0, b1, p) != 0) {
+            differs.store(true, std::memory_order_relaxed);
+          }
+        });
+      } else {
+        const auto fn = pick<Act, scalar_t, false>();
+        at::parallel_for(0, n, kGrain, [&](int64_t b0, int64_t b1) { fn(xp, ap, bp, yp, inner, channels, b0, b1, p); });
+      }
+    });
+  });
+  return !differs.load();
+}
+
+}  // namespace relu_ext

@@ -1,0 +1,293 @@
+"""save_compact()'s recompute: activation outputs after a BatchNorm kept as recipes (the BatchNorm's
+input and two numbers per channel), verified bit for bit when saved, rebuilt in backward; the ops
+relu_ext::bn_terms / bn_act_verify / bn_act_rebuild against PyTorch's own BatchNorm and activations."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import relu_ext
+from relu_ext import compact
+from conftest import assert_bitwise_equal, assert_same_step, train_step
+
+_ops = torch.ops.relu_ext
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+# (op name, its arguments, PyTorch's function of the BatchNorm output)
+ACTS: dict[str, tuple[str, list[float], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "relu": ("relu", [], torch.relu),
+    "relu6": ("hardtanh", [0.0, 6.0], F.relu6),
+    "hardtanh": ("hardtanh", [-0.5, 0.25], lambda t: F.hardtanh(t, -0.5, 0.25)),
+    "leaky": ("leaky_relu", [0.1], lambda t: F.leaky_relu(t, 0.1)),
+    "threshold": ("threshold", [0.1, 0.0], lambda t: F.threshold(t, 0.1, 0.0)),
+    "hardsigmoid": ("hardsigmoid", [], F.hardsigmoid),
+}
+
+
+def _layout(x: torch.Tensor, name: str) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last) if name == "channels_last" else x
+
+
+def _bn_case(dtype: torch.dtype, shape: tuple[int, ...], layout: str, training: bool, affine: bool, seed: int = 0):
+    """An input, PyTorch's BatchNorm output of it, and the BatchNorm's terms as its node saved them."""
+    g = torch.Generator().manual_seed(seed)
+    c = shape[1]
+    x = _layout((torch.randn(shape, generator=g) * 3 + 0.5).to(dtype), layout)
+    w = (torch.rand(c, generator=g) + 0.5).to(dtype) if affine else None
+    b = (torch.randn(c, generator=g)).to(dtype) if affine else None
+    rm, rv = torch.randn(c, generator=g).to(dtype), (torch.rand(c, generator=g) + 0.1).to(dtype)
+    eps = 1e-5
+    y, save_mean, save_invstd = torch.native_batch_norm(x, w, b, rm.clone(), rv.clone(), training, 0.1, eps)
+    mean, var = (save_mean, save_invstd) if training else (rm, rv)
+    return x, y, w, b, mean, var, eps
+
+
+# Planes of odd sizes (PyTorch's vector loop and its tail), channels_last rows, BatchNorm1d's (N, C) and (N, C, L).
+SHAPES = [((4, 8, 9, 7), "contiguous"), ((3, 5, 33, 3), "contiguous"), ((4, 8, 9, 7), "channels_last"),
+          ((2, 37, 5, 3), "channels_last"), ((64, 20), "contiguous"), ((2, 7, 41), "contiguous")]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("shape,layout", SHAPES, ids=[f"{s}-{l}" for s, l in SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_replay_matches_pytorch(dtype, shape, layout, training, cpu_isa):
+    """What PyTorch's CPU BatchNorm and each activation computed, rebuilt bit for bit, on every kernel set."""
+    x, bn, w, b, mean, var, eps = _bn_case(dtype, shape, layout, training, affine=True)
+    alpha, beta = _ops.bn_terms(w, b, mean, var, training, eps, dtype)
+    assert alpha.dtype == beta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    for name, (act, args, fn) in ACTS.items():
+        want = fn(bn)
+        assert bool(_ops.bn_act_verify(x, alpha, beta, act, args, want)), f"{name}: verification missed"
+        got = _ops.bn_act_rebuild(x, alpha, beta, act, args)
+        assert got.stride() == want.stride(), name
+        assert_bitwise_equal(got, want, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_verification_sees_one_changed_element(dtype, cpu_isa):
+    x, bn, w, b, mean, var, eps = _bn_case(dtype, (4, 8, 16, 16), "contiguous", True, affine=True)
+    alpha, beta = _ops.bn_terms(w, b, mean, var, True, eps, dtype)
+    y = torch.relu(bn)
+    for i in (0, 1000, y.numel() - 1):  # first, middle, last (the tail of a run)
+        z = y.clone()
+        z.view(-1)[i] = z.view(-1)[i] + 1 if z.view(-1)[i] != 0 else 1e-3
+        assert not bool(_ops.bn_act_verify(x, alpha, beta, "relu", [], z)), i
+    z = y.clone()
+    flat = z.view(-1)
+    i = int((flat == 0).nonzero()[0])
+    flat[i] = -flat[i]  # +0.0 <-> -0.0: only the sign bit differs
+    assert not bool(_ops.bn_act_verify(x, alpha, beta, "relu", [], z))
+
+
+def test_ops_reject_bad_input():
+    x = torch.randn(4, 8, 5, 5)
+    a, b = torch.ones(8), torch.zeros(8)
+    cases = [
+        (lambda: _ops.bn_act_rebuild(x, a[:4], b, "relu", []), "alpha must be a contiguous Float tensor of shape \\[8\\]"),
+        (lambda: _ops.bn_act_rebuild(x, a.double(), b, "relu", []), "alpha must be a contiguous Float"),
+        (lambda: _ops.bn_act_rebuild(x, a, b, "gelu", []), "no activation 'gelu' to replay"),
+        (lambda: _ops.bn_act_rebuild(x, a, b, "hardtanh", [0.0]), "hardtanh takes 2 arguments, got 1"),
+        (lambda: _ops.bn_act_rebuild(x[:, :, ::2], a, b, "relu", []), "x must be dense"),
+        (lambda: _ops.bn_act_rebuild(torch.randn(8), a, b, "relu", []), "expected \\(N, C, ...\\)"),
+        (lambda: _ops.bn_act_rebuild(x.int(), a, b, "relu", []), "x has dtype Int"),
+        (lambda: _ops.bn_act_verify(x, a, b, "relu", [], x.transpose(2, 3)), "y must have x's dtype, device, shape and"),
+        (lambda: _ops.bn_terms(None, None, torch.zeros(8), torch.ones(4), True, 1e-5, torch.float32),
+         "var has shape \\[4\\]; expected \\[8\\]"),
+        (lambda: _ops.bn_terms(None, None, torch.zeros(8), torch.ones(8), True, 1e-5, torch.int32),
+         "dtype Int is not a float dtype"),
+    ]
+    if torch.cuda.is_available():
+        cases.append((lambda: _ops.bn_act_rebuild(x.cuda(), a.cuda(), b.cuda(), "relu", []),
+                      "the BatchNorm replay has CPU kernels only"))
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+def test_ops_are_not_differentiable():
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="x requires grad, but compaction is not differentiable"):
+        _ops.bn_act_rebuild(x, torch.ones(4), torch.zeros(4), "relu", [])
+
+
+@pytest.mark.parametrize("op", ["bn_terms", "bn_act_verify", "bn_act_rebuild"])
+def test_opcheck(op):
+    x, bn, w, b, mean, var, eps = _bn_case(torch.float32, (2, 4, 5, 5), "contiguous", True, affine=True)
+    alpha, beta = _ops.bn_terms(w, b, mean, var, True, eps, torch.float32)
+    args = {
+        "bn_terms": (w, b, mean, var, True, eps, torch.float32),
+        "bn_act_verify": (x, alpha, beta, "leaky_relu", [0.1], F.leaky_relu(bn, 0.1)),
+        "bn_act_rebuild": (x, alpha, beta, "hardtanh", [0.0, 6.0]),
+    }[op]
+    torch.library.opcheck(getattr(_ops, op).default, args)
+
+
+# --- inside save_compact() ------------------------------------------------------------------
+
+
+def _net(act: Callable[[], torch.nn.Module], dtype: torch.dtype, bn: Callable[[int], torch.nn.Module] | None = None):
+    torch.manual_seed(0)
+    bn = bn or torch.nn.BatchNorm2d
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), bn(16), act(),
+        torch.nn.Conv2d(16, 16, 3, padding=1), bn(16), act(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1), bn(32), act(),
+        torch.nn.Conv2d(32, 4, 1), torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 10),
+    ).to(dtype)
+
+
+NETS = {
+    "nn.ReLU": lambda: torch.nn.ReLU(),
+    "nn.ReLU-inplace": lambda: torch.nn.ReLU(inplace=True),
+    "relu_ext.ReLU": lambda: relu_ext.ReLU(),
+    "nn.ReLU6-inplace": lambda: torch.nn.ReLU6(inplace=True),
+    "relu_ext.ReLU6": lambda: relu_ext.ReLU6(),
+    "nn.LeakyReLU": lambda: torch.nn.LeakyReLU(0.1),
+    "relu_ext.LeakyReLU": lambda: relu_ext.LeakyReLU(0.1),
+    "nn.Hardsigmoid": lambda: torch.nn.Hardsigmoid(),
+    "relu_ext.Threshold": lambda: relu_ext.Threshold(0.1, 0.0),
+}
+
+
+def _recorded(monkeypatch) -> list[Any]:
+    """The recipes save_compact makes (a list filled as it makes them)."""
+    made: list[Any] = []
+    real = compact.Replayed.__init__
+
+    def init(self: Any, *args: Any) -> None:
+        real(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(compact.Replayed, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", NETS)
+def test_training_step_is_bitwise_the_same(act, dtype):
+    model = _net(NETS[act], dtype).train()
+    x = torch.randn(4, 3, 16, 16, dtype=dtype)
+    with relu_ext.save_compact() as sc:
+        pass
+    got = train_step(model, x, sc)
+    assert_same_step(got, train_step(model, x, contextlib.nullcontext()))
+    assert sc.replayed == 3 and sc.replay_misses == 0, sc.report()
+
+
+@pytest.mark.parametrize("case", ["channels_last", "eval_with_grads", "affine_false", "momentum_none",
+                                  "no_running_stats", "frozen_bias", "bias_zero_frozen"])
+def test_batchnorm_configurations(case, monkeypatch):
+    """Every BatchNorm configuration trains bitwise the same; those whose terms the graph
+    holds are replayed, the one it does not (a frozen nonzero bias) misses and is compacted."""
+    bn: Callable[[int], torch.nn.Module] = {
+        "affine_false": lambda c: torch.nn.BatchNorm2d(c, affine=False),
+        "momentum_none": lambda c: torch.nn.BatchNorm2d(c, momentum=None),
+        "no_running_stats": lambda c: torch.nn.BatchNorm2d(c, track_running_stats=False),
+    }.get(case, torch.nn.BatchNorm2d)
+    model = _net(NETS["nn.ReLU-inplace"], torch.float32, bn).train()
+    x = torch.randn(4, 3, 16, 16)
+    if case == "channels_last":
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    if case == "eval_with_grads":  # frozen statistics, trained affine terms
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.eval()
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+    if case in ("frozen_bias", "bias_zero_frozen"):
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.BatchNorm2d):
+                    m.bias.copy_(torch.randn_like(m.bias) if case == "frozen_bias" else torch.zeros_like(m.bias))
+                    m.bias.requires_grad_(False)
+    made = _recorded(monkeypatch)
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    if case == "frozen_bias":  # the bias is in no node: the replay with none misses; compaction serves
+        assert (sc.replayed, sc.replay_misses, sc.compacted) == (0, 3, 3), sc.report()
+    else:
+        assert (sc.replayed, sc.replay_misses) == (3, 0), sc.report()
+        assert len(made) == 3 and all(r.x.dim() == 4 for r in made)
+
+
+def test_recompute_can_be_turned_off():
+    model = _net(NETS["nn.ReLU"], torch.float32).train()
+    x = torch.randn(4, 3, 16, 16)
+    sc = relu_ext.save_compact(recompute=False)
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert (sc.replayed, sc.replay_misses, sc.compacted) == (0, 0, 3) and "recompute=False" in repr(sc)
+
+
+def test_batchnorm_output_changed_before_the_activation_misses_and_stays_exact():
+    """A BatchNorm output changed (without autograd) before the activation: the replay would
+    differ, verification sees it, and the output is compacted instead."""
+    torch.manual_seed(0)
+    conv, bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+    w = torch.randn(8, 16, 16)
+    x = torch.randn(2, 3, 16, 16)
+
+    def run(ctx: Any) -> list[torch.Tensor]:
+        for p in (*conv.parameters(), *bn.parameters()):
+            p.grad = None
+        with ctx:
+            h = bn(conv(x))
+            with torch.no_grad():
+                h.view(-1)[5] += 1.0
+            y = torch.relu(h)
+            loss = (y * w).sum()  # saves y
+        loss.backward()
+        return [p.grad.clone() for p in (*conv.parameters(), *bn.parameters())]
+
+    sc = relu_ext.save_compact()
+    for a, b in zip(run(sc), run(contextlib.nullcontext())):
+        assert_bitwise_equal(a, b)
+    assert (sc.replayed, sc.replay_misses, sc.compacted) == (0, 1, 1), sc.report()
+
+
+def test_batchnorm_input_changed_after_forward_raises():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(8)
+    w = torch.randn(8, 16, 16)
+    c = torch.randn(2, 8, 16, 16, requires_grad=True) * 1  # BatchNorm's input, kept by its node
+    with relu_ext.save_compact() as sc:
+        loss = (torch.relu(bn(c)) * w).sum()
+    assert sc.replayed == 1
+    with torch.no_grad():
+        c.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_saved_tensors_of_other_hooks_are_not_unpacked():
+    """A BatchNorm whose tensors other hooks packed (here: outside save_compact, under hooks
+    that count their unpacks) is not replayed, and those hooks' unpack never runs for it."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(8)
+    c = torch.randn(2, 8, 16, 16, requires_grad=True) * 1
+    unpacked: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacked.append(1) or t):
+        h = bn(c)
+    with relu_ext.save_compact() as sc:
+        y = torch.relu(h)
+        loss = (y * torch.randn(8, 16, 16)).sum()
+    assert unpacked == [] and sc.replayed == 0 and sc.compacted == 1
+    loss.backward()
+
+
+def test_real_model_replays_and_trains_the_same():
+    """resnet18: every BN -> ReLU output replayed, none missed; the step bitwise the same; less held."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = tv.models.resnet18(weights=None).train()
+    x = torch.randn(2, 3, 64, 64)
+    on, off = relu_ext.save_compact(), relu_ext.save_compact(recompute=False)
+    assert_same_step(train_step(model, x, on), train_step(model, x, contextlib.nullcontext()))
+    train_step(model, x, off)
+    # resnet18's ReLUs: 1 stem + 2 per block x 8 blocks; one per block follows the residual add.
+    assert (on.replayed, on.replay_misses) == (9, 0), on.report()
+    assert on.bytes_held < off.bytes_held < off.bytes_saved_for_backward
