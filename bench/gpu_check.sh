@@ -37,13 +37,15 @@
 #   BENCH_ARGS (extra arguments for relu_ext.bench), CUDA_HOME (default /usr/local/cuda).
 #
 # Through the device tool (one command runs at most 10 minutes and $OUT comes back: at most 8 files,
-# so one call per line below; a call may start a bare machine, so each one builds, ~1-2 min on 16
-# cores for one arch). Times are estimates: nothing has been measured on a GPU yet.
-#   call 1, ~5-8 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,test --deadline 570
-#   call 2, ~4-6 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,sanitize --deadline 570
-#   call 3, ~7-9 min:  bash bench/gpu_check.sh --out "$OUT" --steps build,bench,unroll --deadline 570
-#                      (add --quick if call 3 times out: ~4-5 min)
-#   call 4, if time is left: the real models compiled (torch.compile, nn.ReLU vs relu_ext's modules):
+# so one call per line below; a call may start a bare machine, so each one builds). Measured on an
+# H100 with 16 cores (2026-11-25): build 70 s (one arch); the whole suite 6 min with pytest-xdist
+# (without it, more than 10); the three sanitizer tools 100 s; bench --quick 94 s; unroll 48 s.
+# The image has no expecttest (one test of the OpInfo samples skips without it): carry its wheel.
+#   call 1, ~7.5 min:  PYTEST_ADDOPTS="-n 12" OMP_NUM_THREADS=1 \
+#                      bash bench/gpu_check.sh --out "$OUT" --steps build,test --deadline 570
+#   call 2, ~5 min:    bash bench/gpu_check.sh --out "$OUT" --steps build,sanitize,bench,unroll --quick --deadline 570
+#                      (on a still-warm machine, leave build out: without it the installed build is used)
+#   call 3, if time is left: the real models compiled (torch.compile, nn.ReLU vs relu_ext's modules):
 #                      BENCH_ARGS="--what compiled --models resnet18,resnet50,vgg11 --dtypes float32" \
 #                      bash bench/gpu_check.sh --out "$OUT" --steps build,bench --deadline 570
 # On a machine without a time limit, `bash bench/gpu_check.sh` runs all five steps (~15-20 min) into

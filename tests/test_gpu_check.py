@@ -79,7 +79,8 @@ def test_help_documents_usage_and_device_tool_calls():
     out = run("--help")
     assert out.returncode == 0, out.stderr
     for needle in ("Usage:", "--out DIR", "--steps", "--quick", "--dry-run", "--deadline",
-                   '--out "$OUT" --steps build,test', "--steps build,sanitize", "--steps build,bench,unroll",
+                   '--out "$OUT" --steps build,test', "--steps build,sanitize,bench,unroll --quick",
+                   'PYTEST_ADDOPTS="-n 12"',  # the whole suite fits a 10-minute call only with pytest-xdist
                    "pip install --no-build-isolation", "compute-sanitizer", "relu_ext.bench --device cuda"):
         assert needle in out.stdout, needle
     assert "set -euo" not in out.stdout, "the help should stop at the header"
