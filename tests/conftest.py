@@ -107,16 +107,17 @@ def torch_cuda_relu_clears_negative_zero(dtype: torch.dtype) -> bool:
     its CPU kernel keeps -0.0, and so does the CUDA kernel in PyTorch's main
     branch since pytorch/pytorch#185354 (it returns x when x == 0). relu_ext
     follows the fixed behaviour, -0.0, on every device."""
-    return not torch.signbit(torch.relu(torch.tensor([-0.0], dtype=dtype, device="cuda"))).item()
+    return torch_cuda_clears_negative_zero(torch.relu, dtype)
 
 
-def known_torch_cuda_zero_difference(a: torch.Tensor, e: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+def known_torch_cuda_zero_difference(a: torch.Tensor, e: torch.Tensor, expected: torch.Tensor,
+                                     fn: Any = torch.relu) -> torch.Tensor:
     """Where `a` (relu_ext's bits) is -0.0 and `e` (PyTorch's bits) is +0.0,
-    only when `expected` was made on a GPU whose torch.relu clears the sign of
-    -0.0: the one known difference, in one direction (relu_ext giving -0.0 for
-    a negative input still fails, and relu_ext's CUDA kernels are compared with
-    its CPU kernels, strictly, in test_cuda.py)."""
-    if not (expected.is_cuda and expected.is_floating_point() and torch_cuda_relu_clears_negative_zero(expected.dtype)):
+    only when `expected` was made on a GPU whose torch `fn` (relu by default)
+    clears the sign of -0.0: the one known difference, in one direction
+    (relu_ext giving -0.0 for a negative input still fails, and relu_ext's CUDA
+    kernels are compared with its CPU kernels, strictly, in test_cuda.py)."""
+    if not (expected.is_cuda and expected.is_floating_point() and torch_cuda_clears_negative_zero(fn, expected.dtype)):
         return torch.zeros_like(a, dtype=torch.bool)
     return minus_zero_meets_plus_zero(a, e)
 

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import relu_ext
-from conftest import (DEVICES, DTYPES, INT_OF, adversarial, bits, layouts, minus_zero_meets_plus_zero, node_names,
-                      torch_cuda_clears_negative_zero)
+from conftest import DEVICES, DTYPES, INT_OF, adversarial, bits, known_torch_cuda_zero_difference, layouts, node_names
 
 ops = torch.ops.relu_ext
 
@@ -83,8 +82,8 @@ def _assert_family_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str, x:
     a, e = bits(ours), bits(theirs)
     both_nan = (ours.isnan() & theirs.isnan()).contiguous()
     a, e = a.masked_fill(both_nan, 0), e.masked_fill(both_nan, 0)
-    if case is not None and theirs.is_cuda and torch_cuda_clears_negative_zero(_torch_fn(case), theirs.dtype):
-        known = minus_zero_meets_plus_zero(a, e)
+    if case is not None:
+        known = known_torch_cuda_zero_difference(a, e, theirs, _torch_fn(case))
         a, e = a.masked_fill(known, 0), e.masked_fill(known, 0)
     if x is not None and nan_input_grad is not None:
         at_nan = x.isnan().contiguous()

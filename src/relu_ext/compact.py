@@ -227,9 +227,9 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
     training = bool(bn._saved_training)
     names = ("result1", "result2") if training else ("running_mean", "running_var")
     mean, var = (_peek(getattr(bn, f"_raw_saved_{n}"), unpack) for n in names)
-    weight_saved = bn._raw_saved_weight
-    weight = None if weight_saved is None or weight_saved.data is None else _peek(weight_saved, unpack)
-    if mean is None or var is None or (weight_saved is not None and weight_saved.data is not None and weight is None):
+    has_weight = bn._raw_saved_weight.data is not None  # (affine=False: none)
+    weight = _peek(bn._raw_saved_weight, unpack) if has_weight else None
+    if mean is None or var is None or (has_weight and weight is None):
         return None, False
     bias_fn = bn.next_functions[2][0] if len(bn.next_functions) > 2 else None
     bias = getattr(bias_fn, "variable", None)  # an AccumulateGrad's parameter; else none (or frozen: verified)
@@ -380,10 +380,11 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
             hit = cache.get(t)
             if hit is None or hit[0] != t._version:
                 fn, packed, missed = t.grad_fn, None, False
+                zeros = _mostly_zeros(fn)
                 with torch.no_grad():
                     if recompute and _after_batchnorm(fn):
                         packed, missed = _replayed(t, unpack)
-                    if packed is None and _mostly_zeros(fn):
+                    if packed is None and zeros:
                         packed = _compacted(t, min_saving)
                 hit = (t._version, packed)
                 cache[t] = hit  # counted again when changed in place: a second form is held
@@ -397,7 +398,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                     stats.compacted_bytes += t.nbytes
                     stats.compacted_held += packed.nbytes
                 else:
-                    stats.keep("too_few_zeros" if _mostly_zeros(fn) else "not_replayed", t)
+                    stats.keep("too_few_zeros" if zeros else "not_replayed", t)
             if hit[1] is None:
                 return _Dense(t)
             hit[1].pending += 1
