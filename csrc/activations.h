@@ -12,9 +12,16 @@
 //   forward<kCuda>(x, p)  the output, computed as PyTorch's scalar CPU loop
 //                  does (kCuda false) or as its CUDA kernel does (kCuda true);
 //   keep(x, p)     the mask bit: PyTorch's backward predicate on the input;
-//   grad(g, k, p)  grad_in from grad and the mask bit.
+//   grad(g, k, p)  grad_in from grad and the mask bit;
+//   widen(p)       Params<M> with which the functions above, applied to
+//                  to_m(x) and rounded to T once, give what they give on x
+//                  (the 16-bit ops compute in opmath and round once): the
+//                  CPU's float16 kernels convert a block with the hardware's
+//                  instructions and run the trait on floats.
 // kArgs: how many Scalar arguments the op takes; kSchemaArgs: them in schema
-// syntax (with PyTorch's defaults); kNode: the backward node's name.
+// syntax (with PyTorch's defaults); kNode: the backward node's name;
+// kGradScales: whether grad computes with g (in opmath) rather than picking
+// g or 0 (the CPU's float16 backward converts only then).
 //
 // PyTorch's CUDA kernels differ from its CPU ones in two ops, and relu_ext's
 // CUDA kernels follow them there (kCuda): threshold compares with the
@@ -33,6 +40,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include <ATen/OpMathType.h>
 #include <c10/core/Scalar.h>
@@ -78,6 +86,7 @@ struct Hardtanh {
   static constexpr const char* kNode = "HardtanhExtBackward0";
   static constexpr const char* kSchemaArgs = ", Scalar min_val=-1, Scalar max_val=1";
   static constexpr int kArgs = 2;
+  static constexpr bool kGradScales = false;
   template <typename T>
   struct Params {
     OpMath<T> lo, hi;
@@ -87,11 +96,19 @@ struct Hardtanh {
   static Params<T> params(const ActArgs& a) {
     return {a[0].to<OpMath<T>>(), a[1].to<OpMath<T>>(), a[0].to<T>(), a[1].to<T>()};
   }
+  template <typename T>
+  static Params<OpMath<T>> widen(const Params<T>& p) {
+    return {p.lo, p.hi, to_m(p.lo_t), to_m(p.hi_t)};
+  }
   template <bool kCuda = false, typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
     const OpMath<T> v = to_m(x);
     const bool low = v < p.lo;                   // std::max(x, lo): x when NaN
-    return p.hi < (low ? p.lo : v) ? p.hi_t : (low ? p.lo_t : x);  // std::min(.., hi)
+    const OpMath<T> m = low ? p.lo : v;
+    // In float and double the bounds are the same in T and opmath, and this
+    // is a max and a min instruction.
+    if constexpr (std::is_same_v<T, OpMath<T>>) return p.hi < m ? p.hi : m;
+    return p.hi < m ? p.hi_t : (low ? p.lo_t : x);  // std::min(.., hi)
   }
   template <typename T>
   RELU_HD static bool keep(T x, const Params<T>& p) {
@@ -110,6 +127,7 @@ struct LeakyRelu {
   static constexpr const char* kNode = "LeakyReluExtBackward0";
   static constexpr const char* kSchemaArgs = ", Scalar negative_slope=0.01";
   static constexpr int kArgs = 1;
+  static constexpr bool kGradScales = true;
   template <typename T>
   struct Params {
     OpMath<T> slope;
@@ -117,6 +135,10 @@ struct LeakyRelu {
   template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs& a) {
     return {a[0].to<OpMath<T>>()};
+  }
+  template <typename T>
+  static Params<OpMath<T>> widen(const Params<T>& p) {
+    return {p.slope};
   }
   template <bool kCuda = false, typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
@@ -141,6 +163,7 @@ struct Threshold {
   static constexpr const char* kNode = "ThresholdExtBackward0";
   static constexpr const char* kSchemaArgs = ", Scalar threshold, Scalar value";
   static constexpr int kArgs = 2;
+  static constexpr bool kGradScales = false;
   template <typename T>
   struct Params {
     OpMath<T> threshold;
@@ -150,6 +173,10 @@ struct Threshold {
   static Params<T> params(const ActArgs& a) {
     // Only the CUDA path converts to T, so only it raises on a 16-bit overflow, as PyTorch's does.
     return {kCuda ? OpMath<T>(a[0].to<T>()) : a[0].to<OpMath<T>>(), a[1].to<T>()};
+  }
+  template <typename T>
+  static Params<OpMath<T>> widen(const Params<T>& p) {
+    return {p.threshold, to_m(p.value)};
   }
   template <bool kCuda = false, typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
@@ -165,7 +192,8 @@ struct Threshold {
   }
 };
 
-// hardsigmoid(x) = min(max(x + 3, 0), 6) / 6 in opmath (on CUDA: * (1/6));
+// hardsigmoid(x) = min(max(x + 3, 0), 6) / 6 in opmath (on CUDA, and for the
+// 16-bit types, * (1/6): the same results);
 // gradient g * (1/6) inside (-3, 3); 1/6 is the float 1.0f / 6.0f for every
 // dtype, as in PyTorch.
 struct Hardsigmoid {
@@ -173,10 +201,15 @@ struct Hardsigmoid {
   static constexpr const char* kNode = "HardsigmoidExtBackward0";
   static constexpr const char* kSchemaArgs = "";
   static constexpr int kArgs = 0;
+  static constexpr bool kGradScales = true;
   template <typename T>
   struct Params {};
   template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs&) {
+    return {};
+  }
+  template <typename T>
+  static Params<OpMath<T>> widen(const Params<T>&) {
     return {};
   }
   template <bool kCuda = false, typename T>
@@ -185,7 +218,10 @@ struct Hardsigmoid {
     const M a = to_m(x) + M(3);
     const M lo = a < M(0) ? M(0) : a;  // std::max(a, 0)
     const M hi = M(6) < lo ? M(6) : lo;  // std::min(lo, 6)
-    return from_m<T>(kCuda ? hi * M(1.0f / 6.0f) : hi / M(6));
+    // For the 16-bit types the product and the quotient round to the same T
+    // for every one of the 65536 inputs (tests/test_family.py checks them
+    // all), and the division bounds the CPU loop.
+    return from_m<T>(kCuda || sizeof(T) == 2 ? hi * M(1.0f / 6.0f) : hi / M(6));
   }
   template <typename T>
   RELU_HD static bool keep(T x, const Params<T>&) {

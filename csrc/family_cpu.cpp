@@ -27,7 +27,7 @@
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define FAMILY_X86 1
 #include <immintrin.h>
-#define FAMILY_AVX2 __attribute__((target("avx2")))
+#define FAMILY_AVX2 __attribute__((target("avx2,f16c")))
 #define FAMILY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2")))
 #endif
 
@@ -166,6 +166,53 @@ struct Lanes<kAvx512, uint64_t> {
 };
 #endif
 
+// A block of float16 to float and back with the hardware's conversions (F16C
+// in the AVX2 set, AVX-512F's own): exact one way, round to nearest even the
+// other, as c10::Half's. A NaN stays a NaN; its payload is the hardware's
+// (PyTorch's vectorized loops convert the same way).
+template <int I>
+struct HalfBlock;  // none for the portable set: it runs the trait on c10::Half
+
+#ifdef FAMILY_X86
+template <>
+struct HalfBlock<kAvx2> {
+  FAMILY_AVX2 static void widen(const c10::Half* h, float* f) {
+    for (int v = 0; v < kBlock / 8; ++v) {
+      _mm256_storeu_ps(f + 8 * v, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8 * v))));
+    }
+  }
+  FAMILY_AVX2 static void narrow(const float* f, c10::Half* h) {
+    for (int v = 0; v < kBlock / 8; ++v) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + 8 * v),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(f + 8 * v), _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+};
+
+template <>
+struct HalfBlock<kAvx512> {
+  FAMILY_AVX512 static void widen(const c10::Half* h, float* f) {
+    for (int v = 0; v < kBlock / 16; ++v) {
+      _mm512_storeu_ps(f + 16 * v, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 16 * v))));
+    }
+  }
+  FAMILY_AVX512 static void narrow(const float* f, c10::Half* h) {
+    for (int v = 0; v < kBlock / 16; ++v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + 16 * v),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(f + 16 * v), _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+};
+#endif
+
+// Whether the float16 kernels of set I go through HalfBlock.
+template <typename T, int I>
+#ifdef FAMILY_X86
+constexpr bool kViaFloat = std::is_same_v<T, c10::Half> && I != kScalar;
+#else
+constexpr bool kViaFloat = false;
+#endif
+
 // The mask lanes' type: the unsigned integer of the opmath type's width (the
 // compares are made in opmath, float for the 16-bit types).
 template <typename T>
@@ -197,6 +244,19 @@ FAMILY_INLINE void fwd_block_inplace(T* a, U* __restrict k, const P<Act, T>& p) 
   }
 }
 
+// float16 through float: the block is read whole before it is written, so
+// x may be y.
+template <typename Act, int I, typename U>
+FAMILY_INLINE void fwd_block_via_float(const c10::Half* x, c10::Half* y, U* __restrict k, const P<Act, float>& p) {
+  alignas(64) float v[kBlock];
+  HalfBlock<I>::widen(x, v);
+  for (int j = 0; j < kBlock; ++j) {
+    k[j] = Act::keep(v[j], p) ? U(~U(0)) : U(0);
+    v[j] = Act::forward(v[j], p);
+  }
+  HalfBlock<I>::narrow(v, y);
+}
+
 // Whole blocks, then the last partial block element by element. The
 // parameters are copied: a store through y could otherwise change them as
 // far as the compiler knows, and it would reload them for every element.
@@ -205,10 +265,13 @@ template <typename Act, typename T, int I, bool kMask, bool kInplace>
 FAMILY_INLINE void fwd_body(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& params) {
   using U = LaneOf<T>;
   const P<Act, T> p = params;
+  [[maybe_unused]] const auto pw = Act::widen(p);
   int64_t i0 = begin;
   for (; i0 + kBlock <= end; i0 += kBlock) {
     alignas(64) U k[kBlock];
-    if constexpr (kInplace) {
+    if constexpr (kViaFloat<T, I>) {
+      fwd_block_via_float<Act, I>(x + i0, y + i0, k, pw);
+    } else if constexpr (kInplace) {
       fwd_block_inplace<Act>(y + i0, k, p);
     } else {
       fwd_block<Act>(x + i0, y + i0, k, p);
@@ -234,13 +297,21 @@ FAMILY_INLINE void bwd_body(const T* __restrict g, const uint8_t* __restrict mas
                             int64_t end, const P<Act, T>& params) {
   using U = LaneOf<T>;
   const P<Act, T> p = params;
+  [[maybe_unused]] const auto pw = Act::widen(p);
   int64_t i0 = begin;
   for (; i0 + kBlock <= end; i0 += kBlock) {
     uint64_t w;
     alignas(64) U k[kBlock];
     std::memcpy(&w, mask + i0 / 8, 8);
     Lanes<I, U>::unpack(w, k);
-    for (int j = 0; j < kBlock; ++j) out[i0 + j] = Act::grad(g[i0 + j], k[j] != 0, p);
+    if constexpr (kViaFloat<T, I> && Act::kGradScales) {
+      alignas(64) float v[kBlock];
+      HalfBlock<I>::widen(g + i0, v);
+      for (int j = 0; j < kBlock; ++j) v[j] = Act::grad(v[j], k[j] != 0, pw);
+      HalfBlock<I>::narrow(v, out + i0);
+    } else {
+      for (int j = 0; j < kBlock; ++j) out[i0 + j] = Act::grad(g[i0 + j], k[j] != 0, p);
+    }
   }
   for (int64_t i = i0; i < end; ++i) out[i] = Act::grad(g[i], ((mask[i >> 3] >> (i & 7)) & 1) != 0, p);
 }

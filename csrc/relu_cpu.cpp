@@ -318,6 +318,8 @@ int best_isa() {
 #ifdef RELU_X86
   // libgcc / compiler-rt also check that the OS saves the YMM / ZMM registers.
   __builtin_cpu_init();
+  // F16C: the family's float16 kernels convert with it (every AVX2 CPU has it).
+  if (!__builtin_cpu_supports("f16c")) return kScalar;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2")) {
     return kAvx512;

@@ -173,6 +173,25 @@ def test_pytorch_opinfo_samples_bitwise(name):
             _assert_family_equal(ga, gb, f"gradient {what}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_hardsigmoid_on_every_value_near_its_corners(dtype, cpu_isa):
+    """Every float16 / bfloat16 value, and every float32 in [-3, -2] and [2, 3]
+    (where x + 3 and the division round most), against PyTorch's
+    hardsigmoid, forward and backward."""
+    if dtype == torch.float32:
+        lo, hi = (torch.tensor(v).view(torch.int32).item() for v in (2.0, 3.0))
+        pos = torch.arange(lo, hi + 1, dtype=torch.int32).view(torch.float32)
+        x = torch.cat([pos, -pos])
+    else:
+        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x.clone().requires_grad_()
+    g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
+    ours, theirs = relu_ext.hardsigmoid(x), F.hardsigmoid(x)
+    _assert_family_equal(ours, theirs, f"hardsigmoid {dtype}")
+    (ga,), (gb,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
+    _assert_family_equal(ga, gb, f"hardsigmoid gradient {dtype}")
+
+
 def test_leaky_inplace_negative_slope_raises_at_backward_as_pytorch():
     x = torch.randn(8, requires_grad=True)
     for fn in (F.leaky_relu, relu_ext.leaky_relu):
