@@ -202,25 +202,30 @@ struct Hardsigmoid {
   static constexpr const char* kSchemaArgs = "";
   static constexpr int kArgs = 0;
   static constexpr bool kGradScales = true;
+  // The clamp's bounds 0 and 6, as values: given constants, GCC turns the
+  // clamp and the division into compares, masked selects and a masked
+  // division, which made the CPU's training forward 1.5x PyTorch's time.
   template <typename T>
-  struct Params {};
+  struct Params {
+    OpMath<T> zero, six;
+  };
   template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs&) {
-    return {};
+    return {OpMath<T>(0), OpMath<T>(6)};
   }
   template <typename T>
-  static Params<OpMath<T>> widen(const Params<T>&) {
-    return {};
+  static Params<OpMath<T>> widen(const Params<T>& p) {
+    return {p.zero, p.six};
   }
   template <bool kCuda = false, typename T>
-  RELU_HD static T forward(T x, const Params<T>&) {
+  RELU_HD static T forward(T x, const Params<T>& p) {
     using M = OpMath<T>;
     const M a = to_m(x) + M(3);
-    const M lo = a < M(0) ? M(0) : a;  // std::max(a, 0)
-    const M hi = M(6) < lo ? M(6) : lo;  // std::min(lo, 6)
-    // For the 16-bit types the product and the quotient round to the same T
-    // for every one of the 65536 inputs (tests/test_family.py checks them
-    // all), and the division bounds the CPU loop.
+    const M lo = a < p.zero ? p.zero : a;  // std::max(a, 0)
+    const M hi = p.six < lo ? p.six : lo;  // std::min(lo, 6)
+    // For the 16-bit types the product with 1/6 and the quotient round to
+    // the same T for every one of the 65536 inputs (tests/test_family.py
+    // checks them all), and the division bounds the CPU loop.
     return from_m<T>(kCuda || sizeof(T) == 2 ? hi * M(1.0f / 6.0f) : hi / M(6));
   }
   template <typename T>

@@ -341,7 +341,8 @@ typename Act::template Params<T> params_of(double a, double b) {
   } else if constexpr (std::is_same_v<Act, relu_ext::Threshold>) {
     return {M(T(M(a))), T(float(b))};  // the CUDA kernels' threshold: rounded to T (params<T, true>)
   } else {
-    return {};
+    static_assert(std::is_same_v<Act, relu_ext::Hardsigmoid>);
+    return {M(0), M(6)};  // the clamp's bounds
   }
 }
 
