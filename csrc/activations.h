@@ -105,8 +105,10 @@ struct Hardtanh {
     const OpMath<T> v = to_m(x);
     const bool low = v < p.lo;                   // std::max(x, lo): x when NaN
     const OpMath<T> m = low ? p.lo : v;
-    // In float and double the bounds are the same in T and opmath, and this
-    // is a max and a min instruction.
+    // A max and a min instruction where T is the opmath type: in float and
+    // double the bounds are the same in T and opmath, and in the float16
+    // kernels' float pass (widen) the float bound narrows to the T bound,
+    // as c10 converts a Scalar to a 16-bit type through float.
     if constexpr (std::is_same_v<T, OpMath<T>>) return p.hi < m ? p.hi : m;
     return p.hi < m ? p.hi_t : (low ? p.lo_t : x);  // std::min(.., hi)
   }

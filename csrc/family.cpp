@@ -106,6 +106,15 @@ struct Family<Act, std::index_sequence<I...>> {
     return a;
   }
 
+  // The public op through the dispatcher (act_call).
+  static at::Tensor call(const at::Tensor& x, bool inplace, const ActArgs& a) {
+    if (inplace) {
+      pub_inplace_op().call(const_cast<at::Tensor&>(x), a[I]...);
+      return x;
+    }
+    return pub_op().call(x, a[I]...);
+  }
+
   // --- CPU / CUDA wrappers ----------------------------------------------------
 
   static void check_float(const at::Tensor& t, const std::string& op, const char* arg) {
@@ -494,6 +503,14 @@ at::Tensor act_autograd(const at::Tensor& x, const ActArgs& a) {
 template <typename Act>
 void act_autograd_(at::Tensor& x, const ActArgs& a) {
   Family<Act>::autograd_(x, a);
+}
+
+at::Tensor act_call(const std::string& name, const at::Tensor& x, bool inplace, const ActArgs& a) {
+#define X(Act) \
+  if (name == Act::kName) return Family<Act>::call(x, inplace, a);
+  RELU_EXT_FAMILY(X)
+#undef X
+  TORCH_CHECK(false, "relu_ext: no activation '", name, "'");
 }
 
 #define RELU_EXT_INSTANTIATE(Act)                                         \

@@ -44,6 +44,40 @@ PyObject* relu_entry(PyObject* input, bool inplace) {
   END_HANDLE_TH_ERRORS
 }
 
+// The family's functions in eager mode for plain tensors, as relu_entry: the
+// op `name` with its Scalar arguments (schema order; the unused ones ignored).
+PyObject* act_entry(const std::string& name, PyObject* input, bool inplace, const ActArgs& args) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(THPVariable_Check(input), "relu_ext.", name, ": expected a Tensor, got ", Py_TYPE(input)->tp_name);
+  const at::Tensor& x = THPVariable_Unpack(input);
+  at::Tensor y;
+  {
+    const pybind11::gil_scoped_release no_gil;
+    y = act_call(name, x, inplace, args);
+  }
+  if (inplace) {
+    Py_INCREF(input);
+    return input;
+  }
+  return THPVariable_Wrap(std::move(y));
+  END_HANDLE_TH_ERRORS
+}
+
+// A Python bool, int or float as torch.ops converts it for a Scalar argument
+// (torch's pybind11 caster does not load Scalars; relu_ext's Python layer
+// sends nothing else this way).
+c10::Scalar to_scalar(pybind11::handle h) {
+  PyObject* o = h.ptr();
+  if (PyBool_Check(o)) return c10::Scalar(o == Py_True);
+  if (PyLong_Check(o)) {
+    const long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) throw pybind11::error_already_set();
+    return c10::Scalar(static_cast<int64_t>(v));
+  }
+  TORCH_CHECK_TYPE(PyFloat_Check(o), "relu_ext: expected a number, got ", Py_TYPE(o)->tp_name);
+  return c10::Scalar(PyFloat_AS_DOUBLE(o));
+}
+
 template <typename Node>
 PyObject* saved_mask(PyObject* self, void* /*unused*/) {
   HANDLE_TH_ERRORS
@@ -124,6 +158,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       pybind11::arg("input"), pybind11::arg("inplace") = false,
       "relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op).");
+
+  m.def(
+      "act",
+      [](const std::string& name, pybind11::handle input, bool inplace, pybind11::handle a0, pybind11::handle a1) {
+        PyObject* out = act_entry(name, input.ptr(), inplace, ActArgs{to_scalar(a0), to_scalar(a1)});
+        if (out == nullptr) throw pybind11::error_already_set();
+        return pybind11::reinterpret_steal<pybind11::object>(out);
+      },
+      pybind11::arg("name"), pybind11::arg("input"), pybind11::arg("inplace"), pybind11::arg("a0"),
+      pybind11::arg("a1"),
+      "relu_ext's family functions for plain tensors in eager mode (the relu_ext::<name> / <name>_ op).");
 
   m.def("install_targets", &install_targets, "The aten ops install() can take over, by name.");
   m.def("install", &install, pybind11::arg("ops"),

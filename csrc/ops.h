@@ -176,5 +176,8 @@ template <typename Act>
 at::Tensor act_autograd(const at::Tensor& x, const ActArgs& a);
 template <typename Act>
 void act_autograd_(at::Tensor& x, const ActArgs& a);
+// The family's public op `name` (relu_ext::<name> or <name>_ with `inplace`,
+// which returns x) through the dispatcher: relu_ext's functions in eager mode.
+at::Tensor act_call(const std::string& name, const at::Tensor& x, bool inplace, const ActArgs& a);
 
 }  // namespace relu_ext

@@ -4,6 +4,7 @@ against PyTorch, bit for bit, and the batteries every op passes, run as one tabl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import warnings
@@ -190,6 +191,45 @@ def test_hardsigmoid_on_every_value_near_its_corners(dtype, cpu_isa):
     _assert_family_equal(ours, theirs, f"hardsigmoid {dtype}")
     (ga,), (gb,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
     _assert_family_equal(ga, gb, f"hardsigmoid gradient {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_hardtanh_bounds_that_round_twice(dtype, cpu_isa):
+    """Every 16-bit value through hardtanh with bounds a float32 rounding puts
+    on a 16-bit midpoint (the float16 kernels clamp in float and round the
+    bound after; PyTorch rounds it through float too)."""
+    tie = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).clone().requires_grad_()
+    g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
+    for lo, hi in [(-(1 + tie + 2.0 ** -30), 1 + tie + 2.0 ** -30), (-(3 + 2 * tie), 1 + tie - 2.0 ** -30)]:
+        ours, theirs = relu_ext.hardtanh(x, lo, hi), F.hardtanh(x, lo, hi)
+        _assert_family_equal(ours, theirs, f"hardtanh({lo}, {hi}) {dtype}")
+        (ga,), (gb,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
+        _assert_family_equal(ga, gb, f"hardtanh({lo}, {hi}) gradient {dtype}", x, g)
+
+
+@pytest.mark.parametrize("kind", ["int", "numpy", "tensor"])
+@pytest.mark.parametrize("mode", [False, True], ids=["eager", "function_mode"])
+def test_scalar_arguments_as_pytorch_takes_them(kind, mode):
+    """Python ints and bools, numpy scalars and 0-dim tensors as the Scalar
+    arguments, as torch.nn.functional takes them, on the C++ eager path and
+    on the torch.ops one (under a __torch_function__ mode)."""
+    from torch.overrides import TorchFunctionMode
+
+    np = pytest.importorskip("numpy")
+    wrap = {"int": int, "numpy": np.float32, "tensor": torch.tensor}[kind]
+
+    class Through(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = adversarial(4097, torch.float32)
+    calls = [(relu_ext.hardtanh, F.hardtanh, (wrap(-1), wrap(2))), (relu_ext.leaky_relu, F.leaky_relu, (wrap(2),)),
+             (relu_ext.threshold, F.threshold, (wrap(1), wrap(-3))), (relu_ext.leaky_relu, F.leaky_relu, (True,))]
+    for ours, theirs, args in calls:
+        with Through() if mode else contextlib.nullcontext():
+            got = ours(x, *args)
+        _assert_family_equal(got, theirs(x, *args), f"{ours.__name__}{args}")
 
 
 def test_leaky_inplace_negative_slope_raises_at_backward_as_pytorch():

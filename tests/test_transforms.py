@@ -13,6 +13,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import relu_ext
@@ -208,15 +209,32 @@ class _Logged(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_subclasses_and_modes_see_the_op():
+# (op name, relu_ext function, PyTorch's): the functions take a C++ path for
+# plain tensors in eager mode, which subclasses and modes must not bypass.
+_FUNCTIONS = [
+    ("relu", relu_ext.relu, F.relu),
+    ("hardtanh", lambda t, inplace=False: relu_ext.hardtanh(t, -0.5, 0.5, inplace),
+     lambda t: F.hardtanh(t, -0.5, 0.5)),
+    ("hardtanh", relu_ext.relu6, F.relu6),
+    ("leaky_relu", lambda t, inplace=False: relu_ext.leaky_relu(t, 0.2, inplace), lambda t: F.leaky_relu(t, 0.2)),
+    ("threshold", lambda t, inplace=False: relu_ext.threshold(t, 0.1, -2.0, inplace),
+     lambda t: F.threshold(t, 0.1, -2.0)),
+    ("hardsigmoid", relu_ext.hardsigmoid, F.hardsigmoid),
+]
+
+
+@pytest.mark.parametrize("name,fn,theirs", _FUNCTIONS, ids=["relu", "hardtanh", "relu6", "leaky_relu", "threshold",
+                                                            "hardsigmoid"])
+def test_subclasses_and_modes_see_the_op(name, fn, theirs):
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    op, op_ = getattr(torch.ops.relu_ext, name), getattr(torch.ops.relu_ext, name + "_")
     x = torch.randn(10)
     _Logged.seen.clear()
-    y = relu_ext.relu(x.as_subclass(_Logged))
-    assert type(y) is _Logged and torch.equal(y.as_subclass(torch.Tensor), torch.relu(x))
-    assert torch.ops.relu_ext.relu in _Logged.seen
+    y = fn(x.as_subclass(_Logged))
+    assert type(y) is _Logged and torch.equal(y.as_subclass(torch.Tensor), theirs(x))
+    assert op in _Logged.seen
 
     class FunctionLog(TorchFunctionMode):
         def __init__(self):
@@ -237,8 +255,11 @@ def test_subclasses_and_modes_see_the_op():
             return func(*args, **(kwargs or {}))
 
     with FunctionLog() as fmode, DispatchLog() as dmode:
-        relu_ext.relu(x)
+        assert torch.equal(fn(x), theirs(x))
         z = x.clone()
-        assert relu_ext.relu(z, inplace=True) is z
-    assert torch.ops.relu_ext.relu in fmode.seen and torch.ops.relu_ext.relu_ in fmode.seen
-    assert torch.ops.relu_ext.relu.default in dmode.seen and torch.ops.relu_ext.relu_.default in dmode.seen
+        assert fn(z, inplace=True) is z and torch.equal(z, theirs(x))
+    assert op in fmode.seen and op_ in fmode.seen
+    assert op.default in dmode.seen and op_.default in dmode.seen
+    # Without a mode the same calls go through C++ (relu_ext._C), with the same results.
+    z = x.clone()
+    assert torch.equal(fn(x), theirs(x)) and fn(z, inplace=1) is z and torch.equal(z, theirs(x))

@@ -28,6 +28,11 @@ def set_cuda_unroll(rows: int) -> None:
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
     """relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op)."""
 
+def act(name: str, input: Tensor, inplace: bool, a0: float, a1: float) -> Tensor:
+    """relu_ext's family functions for plain tensors in eager mode: the
+    relu_ext::<name> (or <name>_, returning input) op with its Scalar
+    arguments in schema order (the unused ones ignored)."""
+
 def install_targets() -> list[str]:
     """The aten ops install() can take over, by name: 'relu' and the family's."""
 
