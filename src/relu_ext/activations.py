@@ -37,10 +37,10 @@ def _number(a: Any) -> Any:
 
 
 def _eager(name: str, input: Tensor, inplace: Any, a0: float = 0.0, a1: float = 0.0) -> Tensor | None:
-    """The op ``name`` called from C++ for a plain tensor in eager mode (a
-    third of the per-call cost of ``torch.ops``), or None where Dynamo, a
-    tensor subclass, a ``__torch_function__`` mode or an FX proxy must see
-    the op called from Python."""
+    """The op ``name`` called from C++ for a plain tensor in eager mode
+    (about 1 us less per call than through ``torch.ops``), or None where
+    Dynamo, a tensor subclass, a ``__torch_function__`` mode or an FX proxy
+    must see the op called from Python."""
     if _is_dynamo_compiling() or _has_torch_function_unary(input):
         return None
     if type(a0) not in _NUMBERS or type(a1) not in _NUMBERS:
