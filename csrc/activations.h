@@ -1,8 +1,10 @@
-// The activation table: ReLU's 1-bit family beyond ReLU itself, each as a
-// trait that the CPU kernels (family_cpu.cpp), the CUDA kernels
-// (relu_cuda_kernels.cuh), the ops and their autograd node (family.cpp) and
-// install() (install.cpp) are written once over. ReLU keeps its own tuned
-// kernels (relu.h); its contract is the same.
+// The activation table: ReLU and its 1-bit family, each as a trait that the
+// ops and their autograd node (family.cpp), install() (install.cpp), the
+// Python module (module.cpp), the BatchNorm replay (replay_cpu.cpp) and the
+// kernels are written once over. The family's kernels are generic over the
+// trait (family_cpu.cpp, relu_cuda_kernels.cuh); ReLU's are its own, tuned on
+// the raw bits (relu.h, relu_cpu.cpp, relu_cuda.cu), behind the same
+// act_forward_* / act_backward_* names.
 //
 // A trait gives, for a storage type T (float, double, c10::Half,
 // c10::BFloat16; M = at::opmath_type<T>, float for the 16-bit types):
@@ -21,7 +23,8 @@
 // kArgs: how many Scalar arguments the op takes; kSchemaArgs: them in schema
 // syntax (with PyTorch's defaults); kNode: the backward node's name;
 // kGradScales: whether grad computes with g (in opmath) rather than picking
-// g or 0 (the CPU's float16 backward converts only then).
+// g or 0 (the CPU's float16 backward converts only then); kInts: whether the
+// public op has its own integer kernel (relu) rather than PyTorch's.
 //
 // PyTorch's CUDA kernels differ from its CPU ones in two ops, and relu_ext's
 // CUDA kernels follow them there (kCuda): threshold compares with the
@@ -78,6 +81,39 @@ inline c10::BFloat16 from_m<c10::BFloat16>(float v) {
 }
 #endif
 
+// relu(x): relu.h's contract, here in opmath terms for the replay
+// (x < 0 -> +0, else x itself: NaN payload and -0.0 kept; mask !(y <= 0)).
+struct Relu {
+  static constexpr const char* kName = "relu";
+  static constexpr const char* kNode = "ReluExtBackward0";
+  static constexpr const char* kSchemaArgs = "";
+  static constexpr int kArgs = 0;
+  static constexpr bool kGradScales = false;
+  static constexpr bool kInts = true;
+  template <typename T>
+  struct Params {};
+  template <typename T, bool kCuda = false>
+  static Params<T> params(const ActArgs&) {
+    return {};
+  }
+  template <typename T>
+  static Params<OpMath<T>> widen(const Params<T>&) {
+    return {};
+  }
+  template <bool kCuda = false, typename T>
+  RELU_HD static T forward(T x, const Params<T>&) {
+    return to_m(x) < OpMath<T>(0) ? T(0) : x;
+  }
+  template <typename T>
+  RELU_HD static bool keep(T x, const Params<T>&) {
+    return !(to_m(x) <= OpMath<T>(0));
+  }
+  template <typename T>
+  RELU_HD static T grad(T g, bool keep, const Params<T>&) {
+    return keep ? g : T(0);
+  }
+};
+
 // hardtanh(x, min_val, max_val) = clamp(x, min, max); the bounds are
 // compared in opmath (PyTorch's backward does; for the forward it makes no
 // difference), the output is x itself (NaN payload kept) or a bound in T.
@@ -87,6 +123,7 @@ struct Hardtanh {
   static constexpr const char* kSchemaArgs = ", Scalar min_val=-1, Scalar max_val=1";
   static constexpr int kArgs = 2;
   static constexpr bool kGradScales = false;
+  static constexpr bool kInts = false;
   template <typename T>
   struct Params {
     OpMath<T> lo, hi;
@@ -130,6 +167,7 @@ struct LeakyRelu {
   static constexpr const char* kSchemaArgs = ", Scalar negative_slope=0.01";
   static constexpr int kArgs = 1;
   static constexpr bool kGradScales = true;
+  static constexpr bool kInts = false;
   template <typename T>
   struct Params {
     OpMath<T> slope;
@@ -166,6 +204,7 @@ struct Threshold {
   static constexpr const char* kSchemaArgs = ", Scalar threshold, Scalar value";
   static constexpr int kArgs = 2;
   static constexpr bool kGradScales = false;
+  static constexpr bool kInts = false;
   template <typename T>
   struct Params {
     OpMath<T> threshold;
@@ -204,6 +243,7 @@ struct Hardsigmoid {
   static constexpr const char* kSchemaArgs = "";
   static constexpr int kArgs = 0;
   static constexpr bool kGradScales = true;
+  static constexpr bool kInts = false;
   // The clamp's bounds 0 and 6, as values: given constants, GCC turns the
   // clamp and the division into compares, masked selects and a masked
   // division, which made the CPU's training forward 1.5x PyTorch's time.
@@ -243,20 +283,30 @@ struct Hardsigmoid {
   }
 };
 
-// The family, declared once: X(Trait). Every list of ops, kernels, nodes
-// and install targets in C++ is generated from it.
+// The table, declared once: X(Trait). Every list of ops, nodes, install
+// targets and replays in C++ is generated from RELU_EXT_ACTIVATIONS;
+// RELU_EXT_FAMILY is the part whose kernels are the generic ones.
 #define RELU_EXT_FAMILY(X) \
   X(Hardtanh)              \
   X(LeakyRelu)             \
   X(Threshold)             \
   X(Hardsigmoid)
+#define RELU_EXT_ACTIVATIONS(X) \
+  X(Relu)                       \
+  RELU_EXT_FAMILY(X)
 
 // Kernels on dense tensors in memory order (x may alias y; mask may be null:
-// no mask is written). Float dtypes only: integer tensors never reach them.
+// no mask is written). Float dtypes only: integer tensors never reach them
+// (relu's go to forward_int_*, relu.h). ReLU's are relu_cpu.cpp's.
 template <typename Act>
 void act_forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
 template <typename Act>
 void act_backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in, const ActArgs& args);
+template <>
+void act_forward_cpu<Relu>(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
+template <>
+void act_backward_cpu<Relu>(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in,
+                            const ActArgs& args);
 // BatchNorm -> activation replay (replay_cpu.cpp; save_compact's recipes).
 // bn_terms_cpu: PyTorch's CPU BatchNorm terms per channel into alpha / beta
 // (opmath, `var` being save_invstd in training, running_var in eval).
@@ -274,6 +324,11 @@ template <typename Act>
 void act_forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
 template <typename Act>
 void act_backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in, const ActArgs& args);
+template <>
+void act_forward_cuda<Relu>(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
+template <>
+void act_backward_cuda<Relu>(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in,
+                             const ActArgs& args);
 #endif
 
 }  // namespace relu_ext

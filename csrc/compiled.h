@@ -1,5 +1,5 @@
-// Compiled autograd for the mask-saving nodes (ReluExtBackward0 and
-// MaskBackward<Act>): the call a node records into the graph being
+// Compiled autograd for the mask-saving nodes (MaskBackward<Act>, family.cpp):
+// the call a node records into the graph being
 // captured, as PyTorch's generated nodes do.
 #pragma once
 

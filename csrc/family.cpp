@@ -1,13 +1,18 @@
-// The family's ops (activations.h), all generated from RELU_EXT_FAMILY: for
-// an activation `act` with Scalar arguments A,
+// The activations' ops (activations.h), all generated from
+// RELU_EXT_ACTIVATIONS: for an activation `act` with Scalar arguments A,
 //   act(x, A) -> y, act_(x, A)                 public, as torch.nn.functional's
+//                                              (mask-free when no gradient
+//                                              and no tangent is needed)
 //   act_fwd(x, A) -> (y, mask), act_fwd_(x, A) -> mask, act_bwd(grad, mask, A)
 //                                              the training pieces
-// with their kernels at every key, as ops.cpp and autograd.cpp write them for
-// relu: CPU / CUDA wrappers, ADInplaceOrView, Functionalize, Tracer, and
-// Autograd, whose node (MaskBackward<Act>) saves only the mask. What relu_ext
-// has no kernel for (integer dtypes, sparse, nested, quantized, other
-// devices) goes to PyTorch's own aten op, so it gets exactly its answer.
+// with their kernels at every key, written as PyTorch writes its own
+// (VariableType and the generated backward nodes): CPU / CUDA wrappers
+// (checks, layout, allocation), ADInplaceOrView (version counting),
+// Functionalize (in-place ops as functional ones), Tracer, and Autograd,
+// whose node (MaskBackward<Act>, named ReluExtBackward0 for relu) saves only
+// the mask. What relu_ext has no kernel for (integer dtypes but relu's,
+// bool, complex, sparse, nested, quantized, other devices) goes to
+// PyTorch's own aten op, so it gets exactly its answer and its errors.
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/MemoryOverlap.h>
@@ -30,12 +35,6 @@ namespace {
 
 template <size_t>
 using ScalarArg = const c10::Scalar&;
-
-[[noreturn]] void no_cuda_kernels(const std::string& op) {
-  TORCH_CHECK(false, op,
-              ": input is on CUDA, but this relu_ext build has CPU kernels only (torch without CUDA, no nvcc "
-              "at build time, or RELU_EXT_FORCE_CPU=1); rebuild relu_ext where nvcc is available");
-}
 
 // PyTorch's message for the in-place leaky_relu_ backward with a negative slope.
 constexpr const char* kLeakyInplaceError =
@@ -117,6 +116,9 @@ struct Family<Act, std::index_sequence<I...>> {
 
   // --- CPU / CUDA wrappers ----------------------------------------------------
 
+  // The dtypes of relu_ext's kernels for the public op.
+  static bool own_dtype(at::ScalarType t) { return Act::kInts ? is_relu_dtype(t) : is_float(t); }
+
   static void check_float(const at::Tensor& t, const std::string& op, const char* arg) {
     TORCH_CHECK_NOT_IMPLEMENTED(is_float(t.scalar_type()), op, ": ", arg, " has dtype ", t.scalar_type(),
                                 "; this op writes or reads the gradient mask, for float32, float64, float16 and "
@@ -125,14 +127,15 @@ struct Family<Act, std::index_sequence<I...>> {
   }
 
   static void run_forward(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& a) {
+    const bool ints = Act::kInts && !is_float(x.scalar_type());
     if (x.is_cuda()) {
 #ifdef WITH_CUDA
-      return act_forward_cuda<Act>(x, y, mask, a);
+      return ints ? forward_int_cuda(x, y) : act_forward_cuda<Act>(x, y, mask, a);
 #else
       no_cuda_kernels(name(""));
 #endif
     }
-    act_forward_cpu<Act>(x, y, mask, a);
+    ints ? forward_int_cpu(x, y) : act_forward_cpu<Act>(x, y, mask, a);
   }
 
   static at::Tensor forward_new(const at::Tensor& x, uint8_t* mask, const ActArgs& a) {
@@ -150,15 +153,16 @@ struct Family<Act, std::index_sequence<I...>> {
     x.copy_(xd);
   }
 
-  // The public op's kernels take every dtype PyTorch's op takes: integers
-  // (and whatever PyTorch refuses, with its own error) go to aten.
+  // The public op's kernels take every dtype PyTorch's op takes: what
+  // relu_ext has no kernel for (and whatever PyTorch refuses, with its own
+  // error) goes to aten.
   static at::Tensor kernel(const at::Tensor& x, ScalarArg<I>... s) {
-    if (!is_float(x.scalar_type())) return aten_op().call(x, s...);
+    if (!own_dtype(x.scalar_type())) return aten_op().call(x, s...);
     return forward_new(x, nullptr, args(s...));
   }
 
   static void kernel_(at::Tensor& x, ScalarArg<I>... s) {
-    if (!is_float(x.scalar_type())) {
+    if (!own_dtype(x.scalar_type())) {
       aten_inplace_op().call(x, s...);
       return;
     }
@@ -314,7 +318,7 @@ struct Family<Act, std::index_sequence<I...>> {
   }
 
   static at::Tensor autograd(const at::Tensor& x, const ActArgs& a) {
-    if (!has_kernel_for(x) || !is_float(x.scalar_type())) return aten_op().call(x, a[I]...);  // PyTorch's own
+    if (!has_kernel_for(x) || !own_dtype(x.scalar_type())) return aten_op().call(x, a[I]...);  // PyTorch's own
     const bool grad = ag::compute_requires_grad(x);
     const bool tangent = ag::isFwGradDefined(x);
     if (!grad && !tangent) {
@@ -325,13 +329,13 @@ struct Family<Act, std::index_sequence<I...>> {
   }
 
   static void autograd_(at::Tensor& x, const ActArgs& a) {
-    if (!has_kernel_for(x) || !is_float(x.scalar_type())) {
+    if (!has_kernel_for(x) || !own_dtype(x.scalar_type())) {
       aten_inplace_op().call(x, a[I]...);
       return;
     }
     const bool grad = ag::compute_requires_grad(x);
     const bool tangent = ag::isFwGradDefined(x);
-    ag::check_inplace(x, grad);
+    ag::check_inplace(x, grad);  // PyTorch's errors for a leaf, or a view of one, that requires grad
     if (!grad && !tangent) {
       const at::AutoDispatchBelowAutograd below;
       return pub_inplace_op().call(x, a[I]...);
@@ -508,7 +512,7 @@ void act_autograd_(at::Tensor& x, const ActArgs& a) {
 at::Tensor act_call(const std::string& name, const at::Tensor& x, bool inplace, const ActArgs& a) {
 #define X(Act) \
   if (name == Act::kName) return Family<Act>::call(x, inplace, a);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
   TORCH_CHECK(false, "relu_ext: no activation '", name, "'");
 }
@@ -519,12 +523,12 @@ at::Tensor act_call(const std::string& name, const at::Tensor& x, bool inplace, 
   template void act_kernel_<Act>(at::Tensor&, const ActArgs&);            \
   template at::Tensor act_autograd<Act>(const at::Tensor&, const ActArgs&); \
   template void act_autograd_<Act>(at::Tensor&, const ActArgs&);
-RELU_EXT_FAMILY(RELU_EXT_INSTANTIATE)
+RELU_EXT_ACTIVATIONS(RELU_EXT_INSTANTIATE)
 #undef RELU_EXT_INSTANTIATE
 
 TORCH_LIBRARY_FRAGMENT(relu_ext, m) {
 #define X(Act) Family<Act>::define(m);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
 }
 
@@ -532,37 +536,37 @@ TORCH_LIBRARY_FRAGMENT(relu_ext, m) {
 // in a build without CUDA kernels), so both keys share them.
 TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
 #define X(Act) Family<Act>::impl_kernels(m);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
 #define X(Act) Family<Act>::impl_kernels(m);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, Autograd, m) {
 #define X(Act) Family<Act>::impl_autograd(m);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, ADInplaceOrView, m) {
 #define X(Act) Family<Act>::impl_views(m, c10::DispatchKey::ADInplaceOrView);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, Functionalize, m) {
 #define X(Act) Family<Act>::impl_views(m, c10::DispatchKey::Functionalize);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, Tracer, m) {
 #define X(Act) Family<Act>::impl_views(m, c10::DispatchKey::Tracer);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
 }
 

@@ -10,7 +10,7 @@
 // install), so this reaches all of them without touching any Python function
 // or any other op. Two keys per device:
 //   - AutogradCPU / AutogradCUDA: relu_ext's autograd kernel (mask-saving
-//     ReluExtBackward0 node, forward AD); what PyTorch computes below autograd
+//     node such as ReluExtBackward0, forward AD); what PyTorch computes below autograd
 //     is not reached from here.
 //   - CPU / CUDA: relu_ext's forward kernel, for calls that skip autograd
 //     (inference mode, and aten ops called from inside __torch_dispatch__).
@@ -39,13 +39,13 @@ namespace {
 // torch.compile and torch.export trace, DTensor, jagged nested tensors, ...):
 // they expect aten ops, so they keep PyTorch's kernel, and traced graphs stay
 // the ones PyTorch's modules give. Zero tensors (forward AD's) keep PyTorch's
-// handling too. The family takes float tensors only (its integer forward is
-// PyTorch's own).
-bool ordinary(const at::Tensor& x) {
-  return has_kernel_for(x) && !x.key_set().has(c10::DispatchKey::Python) && !x._is_zerotensor();
+// handling too. relu takes integer tensors too; the rest of the table takes
+// float tensors only (their integer forward is PyTorch's own).
+template <typename Act>
+bool takes(const at::Tensor& x) {
+  return has_kernel_for(x) && !x.key_set().has(c10::DispatchKey::Python) && !x._is_zerotensor() &&
+         (Act::kInts ? is_relu_dtype(x.scalar_type()) : is_float(x.scalar_type()));
 }
-bool takes(const at::Tensor& x) { return ordinary(x) && is_relu_dtype(x.scalar_type()); }
-bool takes_float(const at::Tensor& x) { return ordinary(x) && is_float(x.scalar_type()); }
 
 // PyTorch's non-reentrant checkpoint compares what its recomputation saves
 // with what the forward saved (shape, dtype), and relu_ext's node saves a mask
@@ -104,26 +104,9 @@ std::unique_ptr<torch::Library> library(c10::DispatchKey key) {
   return std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
 }
 
-// Our kernels for aten::relu / relu_ at `key`: `autograd` picks relu_ext's
-// autograd kernels, else its forward kernels.
-std::unique_ptr<torch::Library> take_over_relu(c10::DispatchKey key, bool autograd) {
-  auto relu = std::make_shared<const Original>("aten::relu", key);
-  auto relu_ = std::make_shared<const Original>("aten::relu_", key);
-  auto lib = library(key);
-  lib->impl("relu", [relu, autograd](c10::DispatchKeySet ks, const at::Tensor& x) -> at::Tensor {
-    if (!takes(x) || (autograd && keep_torch_kernel(x, "relu"))) return relu->call(ks, x);
-    return autograd ? relu_autograd(x) : relu_kernel(x);
-  });
-  lib->impl("relu_", [relu_, autograd](c10::DispatchKeySet ks, at::Tensor& x) -> at::Tensor& {
-    if (!takes(x) || (autograd && keep_torch_kernel(x, "relu"))) return relu_->call_(ks, x);
-    autograd ? relu_autograd_(x) : relu_kernel_(x);
-    return x;
-  });
-  return lib;
-}
-
-// The same for an activation of the family: aten::<name> / <name>_, with its
-// Scalar arguments.
+// Our kernels for aten::<name> / <name>_ (with the activation's Scalar
+// arguments) at `key`: `autograd` picks relu_ext's autograd kernels, else its
+// forward kernels.
 template <typename Act, size_t... I>
 std::unique_ptr<torch::Library> take_over_act(c10::DispatchKey key, bool autograd, std::index_sequence<I...>) {
   const std::string name = Act::kName;
@@ -131,13 +114,13 @@ std::unique_ptr<torch::Library> take_over_act(c10::DispatchKey key, bool autogra
   auto fn_ = std::make_shared<const Original>("aten::" + name + "_", key);
   auto lib = library(key);
   lib->impl(name.c_str(), [fn, autograd, name](c10::DispatchKeySet ks, const at::Tensor& x, ScalarArg<I>... s) -> at::Tensor {
-    if (!takes_float(x) || (autograd && keep_torch_kernel(x, name))) return fn->call(ks, x, s...);
+    if (!takes<Act>(x) || (autograd && keep_torch_kernel(x, name))) return fn->call(ks, x, s...);
     ActArgs a;
     ((a[I] = s), ...);
     return autograd ? act_autograd<Act>(x, a) : act_kernel<Act>(x, a);
   });
   lib->impl((name + "_").c_str(), [fn_, autograd, name](c10::DispatchKeySet ks, at::Tensor& x, ScalarArg<I>... s) -> at::Tensor& {
-    if (!takes_float(x) || (autograd && keep_torch_kernel(x, name))) return fn_->call_(ks, x, s...);
+    if (!takes<Act>(x) || (autograd && keep_torch_kernel(x, name))) return fn_->call_(ks, x, s...);
     ActArgs a;
     ((a[I] = s), ...);
     autograd ? act_autograd_<Act>(x, a) : act_kernel_<Act>(x, a);
@@ -160,14 +143,13 @@ Libraries take_over_keys(TakeOver&& take_over) {
 }
 
 Libraries take_over_op(const std::string& op) {
-  if (op == "relu") return take_over_keys(take_over_relu);
 #define X(Act)                                                                                       \
   if (op == Act::kName) {                                                                            \
     return take_over_keys([](c10::DispatchKey key, bool autograd) {                                  \
       return take_over_act<Act>(key, autograd, std::make_index_sequence<Act::kArgs>());              \
     });                                                                                              \
   }
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
   TORCH_CHECK_VALUE(false, "relu_ext.install: unknown op '", op, "'; choose from ", c10::Join(", ", install_targets()));
 }
@@ -180,9 +162,9 @@ std::map<std::string, Libraries> registrations;  // op -> its kernels, while ins
 void set_recompute_probe(std::function<bool(const std::string&)> probe) { recompute_with_torch = std::move(probe); }
 
 std::vector<std::string> install_targets() {
-  std::vector<std::string> ops = {"relu"};
+  std::vector<std::string> ops;
 #define X(Act) ops.push_back(Act::kName);
-  RELU_EXT_FAMILY(X)
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
   return ops;
 }

@@ -1,8 +1,8 @@
 // The Python module relu_ext._C: how the extension was built, the CPU kernel
-// choice, the CUDA kernels' unroll, the eager entry point of relu_ext.relu,
-// install / uninstall (install.cpp), and the Python type of the
-// backward node (so that grad_fn prints as ReluExtBackward0 and exposes its
-// saved mask, like PyTorch's own nodes).
+// choice, the CUDA kernels' unroll, the eager entry points of relu_ext's
+// functions, install / uninstall (install.cpp), and the Python types of the
+// backward nodes (so that grad_fn prints as ReluExtBackward0 etc. and exposes
+// its saved mask, like PyTorch's own nodes).
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -20,32 +20,11 @@ constexpr bool kWithCuda = true;
 constexpr bool kWithCuda = false;
 #endif
 
-// relu_ext.relu in eager mode for plain tensors: the op through the C++
-// dispatcher, without the Python op-call machinery (torch.ops), and the GIL
-// released as torch's own bindings do. Returns `input` itself in place.
-PyObject* relu_entry(PyObject* input, bool inplace) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(THPVariable_Check(input), "relu_ext.relu: expected a Tensor, got ", Py_TYPE(input)->tp_name);
-  const at::Tensor& x = THPVariable_Unpack(input);
-  if (inplace) {
-    {
-      const pybind11::gil_scoped_release no_gil;
-      relu_inplace_op().call(const_cast<at::Tensor&>(x));
-    }
-    Py_INCREF(input);
-    return input;
-  }
-  at::Tensor y;
-  {
-    const pybind11::gil_scoped_release no_gil;
-    y = relu_op().call(x);
-  }
-  return THPVariable_Wrap(std::move(y));
-  END_HANDLE_TH_ERRORS
-}
-
-// The family's functions in eager mode for plain tensors, as relu_entry: the
-// op `name` with its Scalar arguments (schema order; the unused ones ignored).
+// relu_ext's functions in eager mode for plain tensors: the op `name` (or
+// `name`_, which returns `input` itself) with its Scalar arguments (schema
+// order; the unused ones ignored) through the C++ dispatcher, without the
+// Python op-call machinery (torch.ops), and the GIL released as torch's own
+// bindings do.
 PyObject* act_entry(const std::string& name, PyObject* input, bool inplace, const ActArgs& args) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(THPVariable_Check(input), "relu_ext.", name, ": expected a Tensor, got ", Py_TYPE(input)->tp_name);
@@ -78,16 +57,17 @@ c10::Scalar to_scalar(pybind11::handle h) {
   return c10::Scalar(PyFloat_AS_DOUBLE(o));
 }
 
-template <typename Node>
+template <typename Act>
 PyObject* saved_mask(PyObject* self, void* /*unused*/) {
   HANDLE_TH_ERRORS
-  const auto& node = *static_cast<Node*>(reinterpret_cast<torch::autograd::THPCppFunction*>(self)->cdata.get());
+  const auto& node =
+      *static_cast<MaskBackward<Act>*>(reinterpret_cast<torch::autograd::THPCppFunction*>(self)->cdata.get());
   return THPVariable_Wrap(node.mask_.unpack());
   END_HANDLE_TH_ERRORS
 }
 
-// The family's Scalar arguments (a tuple of floats, schema order; 0 past the
-// op's own): what save_compact reads to tell whether outputs are mostly zeros.
+// The activation's Scalar arguments (a tuple of floats, schema order; 0 past
+// the op's own): what save_compact reads to tell whether outputs are mostly zeros.
 template <typename Act>
 PyObject* saved_args(PyObject* self, void* /*unused*/) {
   HANDLE_TH_ERRORS
@@ -99,20 +79,21 @@ PyObject* saved_args(PyObject* self, void* /*unused*/) {
 
 using namespace torch::autograd;  // the THP_FUNCTION_DEFAULT_* macros name its functions unqualified
 
-// The Python type of a backward node: PyTorch's default properties plus
-// `_saved_mask`. Types and property tables live as long as the module.
-template <typename Node, getter kArgs = nullptr>
-void register_node(pybind11::module_& m, const char* name) {
+// The Python type of an activation's backward node: PyTorch's default
+// properties plus `_saved_mask` and `_saved_args`. Types and property tables
+// live as long as the module.
+template <typename Act>
+void register_node(pybind11::module_& m) {
   static PyGetSetDef properties[] = {
       THP_FUNCTION_DEFAULT_PROPERTIES,
-      {(char*)"_saved_mask", (getter)saved_mask<Node>, nullptr, nullptr, nullptr},
-      {kArgs ? (char*)"_saved_args" : nullptr, kArgs, nullptr, nullptr, nullptr},
+      {(char*)"_saved_mask", (getter)saved_mask<Act>, nullptr, nullptr, nullptr},
+      {(char*)"_saved_args", (getter)saved_args<Act>, nullptr, nullptr, nullptr},
       {nullptr}};
   static PyTypeObject type;
-  torch::autograd::_initFunctionPyTypeObject(type, name, properties, /*methods: the default ones*/ nullptr);
+  torch::autograd::_initFunctionPyTypeObject(type, Act::kNode, properties, /*methods: the default ones*/ nullptr);
   Py_INCREF(&type);
-  m.attr(name) = pybind11::handle(reinterpret_cast<PyObject*>(&type));
-  torch::autograd::registerCppFunction(typeid(Node), &type);
+  m.attr(Act::kNode) = pybind11::handle(reinterpret_cast<PyObject*>(&type));
+  torch::autograd::registerCppFunction(typeid(MaskBackward<Act>), &type);
 }
 
 }  // namespace
@@ -152,7 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "relu",
       [](pybind11::handle input, bool inplace) {
-        PyObject* out = relu_entry(input.ptr(), inplace);
+        PyObject* out = act_entry("relu", input.ptr(), inplace, ActArgs{});
         if (out == nullptr) throw pybind11::error_already_set();
         return pybind11::reinterpret_steal<pybind11::object>(out);
       },
@@ -168,7 +149,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       pybind11::arg("name"), pybind11::arg("input"), pybind11::arg("inplace"), pybind11::arg("a0"),
       pybind11::arg("a1"),
-      "relu_ext's family functions for plain tensors in eager mode (the relu_ext::<name> / <name>_ op).");
+      "relu_ext's other functions for plain tensors in eager mode (the relu_ext::<name> / <name>_ op).");
 
   m.def("install_targets", &install_targets, "The aten ops install() can take over, by name.");
   m.def("install", &install, pybind11::arg("ops"),
@@ -195,8 +176,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "probe(op) -> bool: whether an installed autograd kernel, recording a node under saved-tensor "
       "hooks, must run PyTorch's kernel for op (activation checkpointing; relu_ext.dispatch).");
 
-  register_node<ReluExtBackward0>(m, "ReluExtBackward0");
-#define X(Act) register_node<MaskBackward<Act>, &saved_args<Act>>(m, Act::kNode);
-  RELU_EXT_FAMILY(X)
+#define X(Act) register_node<Act>(m);
+  RELU_EXT_ACTIVATIONS(X)
 #undef X
 }

@@ -1,10 +1,9 @@
-// Operator schema and its kernels at every dispatch key but Autograd
-// (autograd.cpp): the device-independent wrappers (checks, layout, allocation)
-// behind the CPU and CUDA keys, version counting for the in-place ops
-// (ADInplaceOrView), their functional form (Functionalize), and what the JIT
-// tracer records for relu_. (vmap rules
-// are in Python, src/relu_ext/registrations.py: functorch's C++ headers need a
-// JSON library that torch does not ship.)
+// The library relu_ext's ops live in, the checks and layout helpers the
+// activations' ops share (their schema and kernels: family.cpp), and the
+// save_compact ops: compaction and the BatchNorm replay, schema and CPU /
+// CUDA wrappers (their autograd kernels: autograd.cpp). (vmap rules are in
+// Python, src/relu_ext/registrations.py: functorch's C++ headers need a JSON
+// library that torch does not ship.)
 #include "ops.h"
 
 #include <ATen/ATen.h>
@@ -45,64 +44,15 @@ bool is_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
-namespace {
-
-bool is_int(at::ScalarType t) {
-  return t == at::kByte || t == at::kChar || t == at::kShort || t == at::kInt || t == at::kLong;
+bool is_relu_dtype(at::ScalarType t) {
+  return is_float(t) || t == at::kByte || t == at::kChar || t == at::kShort || t == at::kInt || t == at::kLong;
 }
 
-// `ints`: the op takes integer tensors too (the mask-free forward ops do, as
-// torch.relu; the mask ops are for training, and integers carry no gradient).
-// Unsupported dtypes raise NotImplementedError, as torch.relu does for them.
-void check_input(const at::Tensor& t, const char* op, const char* arg, bool ints) {
-  const auto dt = t.scalar_type();
-  if (is_float(dt) || (ints && is_int(dt))) return;
-  TORCH_CHECK_NOT_IMPLEMENTED(dt != at::kBool, op, ": ", arg,
-                              " has dtype Bool; Boolean inputs are not supported for relu (as in torch.relu)");
-  TORCH_CHECK_NOT_IMPLEMENTED(!at::isComplexType(dt), op, ": ", arg, " has dtype ", dt,
-                              "; relu is not defined for complex types (as in torch.relu)");
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !is_int(dt), op, ": ", arg, " has dtype ", dt,
-      "; this op writes the gradient mask, for float32, float64, float16 and bfloat16 only "
-      "(integer tensors carry no gradient: relu_ext::relu takes them)");
-  TORCH_CHECK_NOT_IMPLEMENTED(false, op, ": ", arg, " has dtype ", dt,
-                              "; relu_ext supports float32, float64, float16, bfloat16, int8, int16, int32, "
-                              "int64 and uint8");
+void no_cuda_kernels(const std::string& op) {
+  TORCH_CHECK(false, op,
+              ": input is on CUDA, but this relu_ext build has CPU kernels only (torch without CUDA, no nvcc "
+              "at build time, or RELU_EXT_FORCE_CPU=1); rebuild relu_ext where nvcc is available");
 }
-
-void run_forward(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
-  const bool ints = is_int(x.scalar_type());
-#ifdef WITH_CUDA
-  if (x.is_cuda()) return ints ? forward_int_cuda(x, y) : forward_cuda(x, y, mask);
-#endif
-  ints ? forward_int_cpu(x, y) : forward_cpu(x, y, mask);
-}
-
-void run_backward(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in) {
-#ifdef WITH_CUDA
-  if (grad.is_cuda()) return backward_cuda(grad, mask, grad_in);
-#endif
-  backward_cpu(grad, mask, grad_in);
-}
-
-at::Tensor forward_new(const at::Tensor& x, uint8_t* mask) {
-  const at::Tensor xd = dense(x);
-  at::Tensor y = at::empty_like(xd);
-  run_forward(xd, y, mask);
-  return y;
-}
-
-void forward_inplace(at::Tensor& x, uint8_t* mask) {
-  at::assert_no_internal_overlap(x);  // same error as torch.relu_ on an expanded view
-  if (x.is_non_overlapping_and_dense()) return run_forward(x, x, mask);
-  at::Tensor xd = dense(x);
-  run_forward(xd, xd, mask);
-  x.copy_(xd);
-}
-
-}  // namespace
-
-bool is_relu_dtype(at::ScalarType t) { return is_float(t) || is_int(t); }
 
 // Kernels walk memory linearly: give them `t` itself when it is dense, else a
 // dense copy laid out as empty_like(t) lays it out (mask_strides).
@@ -125,44 +75,7 @@ void check_backward_mask(const at::Tensor& grad, const at::Tensor& mask, const c
   TORCH_CHECK(mask.is_contiguous(), op, ": mask must be contiguous");
 }
 
-// --- CPU / CUDA kernels ------------------------------------------------------
-// (relu_kernel / relu_kernel_ are also what install() runs for aten::relu.)
-
-at::Tensor relu_kernel(const at::Tensor& x) {
-  check_input(x, "relu_ext::relu", "x", /*ints=*/true);
-  return forward_new(x, nullptr);
-}
-
-void relu_kernel_(at::Tensor& x) {
-  check_input(x, "relu_ext::relu_", "x", /*ints=*/true);
-  forward_inplace(x, nullptr);
-}
-
 namespace {
-
-std::tuple<at::Tensor, at::Tensor> relu_fwd(const at::Tensor& x) {
-  check_input(x, "relu_ext::relu_fwd", "x", /*ints=*/false);
-  at::Tensor mask = new_mask(x);
-  return {forward_new(x, mask.data_ptr<uint8_t>()), mask};
-}
-
-at::Tensor relu_fwd_(at::Tensor& x) {
-  check_input(x, "relu_ext::relu_fwd_", "x", /*ints=*/false);
-  at::Tensor mask = new_mask(x);
-  forward_inplace(x, mask.data_ptr<uint8_t>());
-  return mask;
-}
-
-// `grad` must be laid out like the forward output (its mask order); the
-// backward node sees to that.
-at::Tensor relu_bwd(const at::Tensor& grad, const at::Tensor& mask) {
-  check_input(grad, "relu_ext::relu_bwd", "grad", /*ints=*/false);
-  check_backward_mask(grad, mask, "relu_ext::relu_bwd");
-  const at::Tensor gd = dense(grad);
-  at::Tensor grad_in = at::empty_like(gd);
-  run_backward(gd, mask.const_data_ptr<uint8_t>(), grad_in);
-  return grad_in;
-}
 
 // --- Compaction (save_compact) ---------------------------------------------------
 
@@ -293,109 +206,19 @@ at::Tensor bn_act_rebuild(const at::Tensor& x, const at::Tensor& alpha, const at
 }
 
 #ifndef WITH_CUDA
-// A CUDA tensor in a build without CUDA kernels: say so and why, instead of
-// the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
-[[noreturn]] void no_cuda(const char* op) {
-  TORCH_CHECK(false, op,
-              ": input is on CUDA, but this relu_ext build has CPU kernels only (torch without CUDA, no nvcc "
-              "at build time, or RELU_EXT_FORCE_CPU=1); rebuild relu_ext where nvcc is available");
-}
-at::Tensor relu_no_cuda(const at::Tensor&) { no_cuda("relu_ext::relu"); }
-void relu_no_cuda_(at::Tensor&) { no_cuda("relu_ext::relu_"); }
-std::tuple<at::Tensor, at::Tensor> relu_fwd_no_cuda(const at::Tensor&) { no_cuda("relu_ext::relu_fwd"); }
-at::Tensor relu_fwd_no_cuda_(at::Tensor&) { no_cuda("relu_ext::relu_fwd_"); }
-at::Tensor relu_bwd_no_cuda(const at::Tensor&, const at::Tensor&) { no_cuda("relu_ext::relu_bwd"); }
 std::tuple<at::Tensor, at::Tensor> compact_no_cuda(const at::Tensor&, const at::Tensor&) {
-  no_cuda("relu_ext::compact");
+  no_cuda_kernels("relu_ext::compact");
 }
 at::Tensor expand_no_cuda(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef) {
-  no_cuda("relu_ext::expand");
+  no_cuda_kernels("relu_ext::expand");
 }
-at::Tensor nonzero_mask_no_cuda(const at::Tensor&) { no_cuda("relu_ext::nonzero_mask"); }
+at::Tensor nonzero_mask_no_cuda(const at::Tensor&) { no_cuda_kernels("relu_ext::nonzero_mask"); }
 #endif
-
-// --- ADInplaceOrView: in-place ops bump the version counter --------------------
-// (as PyTorch's own in-place ops do here), so a tensor saved for some other
-// backward and then overwritten by relu_ is caught at backward time.
-
-void relu_inplace_view(at::Tensor& x) {
-  {
-    const at::AutoDispatchBelowADInplaceOrView below;
-    relu_inplace_op().call(x);
-  }
-  torch::autograd::increment_version(x);
-}
-
-at::Tensor relu_fwd_inplace_view(at::Tensor& x) {
-  at::Tensor mask;
-  {
-    const at::AutoDispatchBelowADInplaceOrView below;
-    mask = relu_fwd_inplace_op().call(x);
-  }
-  torch::autograd::increment_version(x);
-  return mask;
-}
-
-// --- Functionalize: in-place ops become functional ones ------------------------
-// (torch.compile, torch.export), as PyTorch's own in-place ops do: relu_ runs
-// as relu and relu_fwd_ as relu_fwd, and the result replaces x's value. The
-// graphs then hold only out-of-place ops, which every backend and exporter
-// (ONNX included) can take.
-
-namespace fz = at::functionalization::impl;
-
-void relu_functionalize_(at::Tensor& x) {
-  if (!fz::isFunctionalTensor(x)) {
-    const at::AutoDispatchSkipFunctionalize skip;
-    return relu_inplace_op().call(x);
-  }
-  at::assert_no_internal_overlap(x);  // what eager raises must not pass here
-  fz::sync(x);
-  at::Tensor y;
-  {
-    const at::AutoDispatchSkipFunctionalize skip;
-    y = relu_op().call(fz::from_functional_tensor(x));
-  }
-  fz::replace_(x, y);
-  fz::commit_update(x);
-  fz::sync(x);
-}
-
-at::Tensor relu_fwd_functionalize_(at::Tensor& x) {
-  if (!fz::isFunctionalTensor(x)) {
-    const at::AutoDispatchSkipFunctionalize skip;
-    return relu_fwd_inplace_op().call(x);
-  }
-  at::assert_no_internal_overlap(x);
-  fz::sync(x);
-  at::Tensor y, mask;
-  {
-    const at::AutoDispatchSkipFunctionalize skip;
-    std::tie(y, mask) = relu_fwd_op().call(fz::from_functional_tensor(x));
-  }
-  fz::replace_(x, y);
-  fz::commit_update(x);
-  fz::sync(x);
-  return fz::to_functional_tensor(mask);
-}
-
-// --- Tracer ------------------------------------------------------------------
-// torch.jit.trace (and the ONNX exporter built on it) cannot follow a value
-// through an op that returns nothing: later uses of x would read the value
-// from before relu_. Record relu_ as the functional relu plus a copy_ into x.
-void relu_trace_(at::Tensor& x) { x.copy_(relu_op().call(x)); }
 
 }  // namespace
 
-// Mask layout: see relu.h. relu / relu_ are the public ops (mask-free when no
-// gradient is needed, see autograd.cpp); relu_fwd / relu_fwd_ also return the
-// mask for relu_bwd.
+// The activations' ops are defined in family.cpp (mask layout: see relu.h).
 TORCH_LIBRARY(relu_ext, m) {
-  m.def("relu(Tensor x) -> Tensor");
-  m.def("relu_(Tensor(a!) x) -> ()");
-  m.def("relu_fwd(Tensor x) -> (Tensor, Tensor)");
-  m.def("relu_fwd_(Tensor(a!) x) -> Tensor");
-  m.def("relu_bwd(Tensor grad, Tensor mask) -> Tensor");
   // save_compact: a dense tensor as the elements its bitmap keeps (compact;
   // `missed` counts dropped elements that are not +0), back (expand), and the
   // bitmap of its nonzero elements. Not differentiable: they act on saved data.
@@ -414,11 +237,6 @@ TORCH_LIBRARY(relu_ext, m) {
 
 // The wrappers pick the kernel from the tensor's device, so both keys share them.
 TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
-  m.impl("relu", &relu_kernel);
-  m.impl("relu_", &relu_kernel_);
-  m.impl("relu_fwd", &relu_fwd);
-  m.impl("relu_fwd_", &relu_fwd_);
-  m.impl("relu_bwd", &relu_bwd);
   m.impl("compact", &compact);
   m.impl("expand", &expand);
   m.impl("nonzero_mask", &nonzero_mask);
@@ -436,33 +254,11 @@ TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
   m.impl("compact", &compact);
   m.impl("expand", &expand);
   m.impl("nonzero_mask", &nonzero_mask);
-  m.impl("relu", &relu_kernel);
-  m.impl("relu_", &relu_kernel_);
-  m.impl("relu_fwd", &relu_fwd);
-  m.impl("relu_fwd_", &relu_fwd_);
-  m.impl("relu_bwd", &relu_bwd);
 #else
-  m.impl("relu", &relu_no_cuda);
-  m.impl("relu_", &relu_no_cuda_);
-  m.impl("relu_fwd", &relu_fwd_no_cuda);
-  m.impl("relu_fwd_", &relu_fwd_no_cuda_);
-  m.impl("relu_bwd", &relu_bwd_no_cuda);
   m.impl("compact", &compact_no_cuda);
   m.impl("expand", &expand_no_cuda);
   m.impl("nonzero_mask", &nonzero_mask_no_cuda);
 #endif
 }
-
-TORCH_LIBRARY_IMPL(relu_ext, ADInplaceOrView, m) {
-  m.impl("relu_", &relu_inplace_view);
-  m.impl("relu_fwd_", &relu_fwd_inplace_view);
-}
-
-TORCH_LIBRARY_IMPL(relu_ext, Functionalize, m) {
-  m.impl("relu_", &relu_functionalize_);
-  m.impl("relu_fwd_", &relu_fwd_functionalize_);
-}
-
-TORCH_LIBRARY_IMPL(relu_ext, Tracer, m) { m.impl("relu_", &relu_trace_); }
 
 }  // namespace relu_ext

@@ -17,13 +17,8 @@
 
 namespace relu_ext {
 
-// The ops (schema in ops.cpp). relu / relu_ are public; the others are the
-// training pieces: relu_fwd / relu_fwd_ also write the mask, relu_bwd reads it.
-using ReluFn = at::Tensor(const at::Tensor&);
-using ReluInplaceFn = void(at::Tensor&);
-using ReluFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
-using ReluFwdInplaceFn = at::Tensor(at::Tensor&);
-using ReluBwdFn = at::Tensor(const at::Tensor&, const at::Tensor&);
+// The save_compact ops (schema in ops.cpp; the activations' ops have their
+// handles in family.cpp).
 using CompactFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
 using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef);
 using NonzeroMaskFn = at::Tensor(const at::Tensor&);
@@ -44,11 +39,6 @@ c10::TypedOperatorHandle<Fn> find_op(const char* name) {
     static const auto handle = find_op<Sig>("relu_ext::" name);   \
     return handle;                                                \
   }
-RELU_EXT_OP_HANDLE(relu_op, "relu", ReluFn)
-RELU_EXT_OP_HANDLE(relu_inplace_op, "relu_", ReluInplaceFn)
-RELU_EXT_OP_HANDLE(relu_fwd_op, "relu_fwd", ReluFwdFn)
-RELU_EXT_OP_HANDLE(relu_fwd_inplace_op, "relu_fwd_", ReluFwdInplaceFn)
-RELU_EXT_OP_HANDLE(relu_bwd_op, "relu_bwd", ReluBwdFn)
 RELU_EXT_OP_HANDLE(compact_op, "compact", CompactFn)
 RELU_EXT_OP_HANDLE(expand_op, "expand", ExpandFn)
 RELU_EXT_OP_HANDLE(nonzero_mask_op, "nonzero_mask", NonzeroMaskFn)
@@ -64,29 +54,24 @@ RELU_EXT_OP_HANDLE(bn_act_rebuild_op, "bn_act_rebuild", BnActRebuildFn)
 void check_layout_and_device(const at::Tensor& t, const char* op, const char* arg);
 
 // Whether relu_ext has kernels for x's kind of tensor: strided, not quantized,
-// not nested, on CPU, CUDA or meta. The public ops relu / relu_ hand any other
-// tensor (sparse, mkldnn, quantized, nested, another device) to PyTorch's
-// aten::relu / aten::relu_, so that it gets exactly what torch.relu gives.
+// not nested, on CPU, CUDA or meta. The public ops (relu_ext::relu, ...) hand
+// any other tensor (sparse, mkldnn, quantized, nested, another device) to
+// PyTorch's aten op, so that it gets exactly what torch.relu etc. give.
 bool has_kernel_for(const at::Tensor& x);
 // float32/64, float16, bfloat16 and the integer types relu / relu_ take.
 bool is_relu_dtype(at::ScalarType t);
 // float32/64, float16, bfloat16: the dtypes the mask-writing ops take.
 bool is_float(at::ScalarType t);
 
-// Shared by the ops of ReLU and of the family (family.cpp): `t` itself when
-// it is dense, else a dense copy laid out as empty_like(t); a mask for x
-// (ceil(n / 8) bytes); and the checks of a mask-reading backward op.
+// Shared by the activations' ops (family.cpp): `t` itself when it is dense,
+// else a dense copy laid out as empty_like(t); a mask for x (ceil(n / 8)
+// bytes); the checks of a mask-reading backward op; and the error for a
+// CUDA tensor in a build without CUDA kernels (instead of the dispatcher's
+// generic "could not run ... with arguments from the 'CUDA' backend").
 at::Tensor dense(const at::Tensor& t);
 at::Tensor new_mask(const at::Tensor& x);
 void check_backward_mask(const at::Tensor& grad, const at::Tensor& mask, const char* op);
-
-// The kernels of the public ops, for install.cpp: relu_kernel / relu_kernel_
-// are the CPU and CUDA ones (ops.cpp), relu_autograd / relu_autograd_ the
-// Autograd ones (autograd.cpp).
-at::Tensor relu_kernel(const at::Tensor& x);
-void relu_kernel_(at::Tensor& x);
-at::Tensor relu_autograd(const at::Tensor& x);
-void relu_autograd_(at::Tensor& x);
+[[noreturn]] void no_cuda_kernels(const std::string& op);
 
 // relu_ext's kernels for PyTorch's aten ops (install.cpp): install(ops)
 // registers them for the named ops ("relu" and the family's names, see
@@ -126,28 +111,13 @@ inline at::Tensor to_mask_layout(const at::Tensor& grad, c10::SymIntArrayRef siz
   return grad.new_empty_strided_symint(sizes, strides).copy_(grad);
 }
 
-// The backward of every mask-saving op: grad_in = keep ? grad : +0, from the
-// mask alone. It is also its own derivative (linear in grad), so double
-// backward records another one of these.
-struct ReluExtBackward0 : public torch::autograd::TraceableFunction {
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
-  std::string name() const override { return "ReluExtBackward0"; }
-  void release_variables() override;
-  void compiled_args(torch::autograd::CompiledNodeArgs& args) const override;
-  torch::autograd::variable_list apply_with_saved(const torch::autograd::variable_list& grads,
-                                                  torch::autograd::SwapSavedVariables& saved) override;
-
-  torch::autograd::SavedVariable mask_;
-  // The forward output's shape, and the strides its mask follows: an incoming
-  // gradient laid out otherwise (expanded, another memory format) is copied
-  // into this layout first.
-  std::vector<c10::SymInt> sizes_;
-  std::vector<c10::SymInt> strides_;
-};
-
-// The family's backward node (family.cpp), one type per activation, named
-// by its trait's kNode: grad_in from the mask alone and the op's Scalar
-// arguments. Linear in grad, so double backward records another one.
+// The backward node of the activations (family.cpp), one type per
+// activation, named by its trait's kNode (ReluExtBackward0 for relu):
+// grad_in from the mask alone and the op's Scalar arguments. Linear in grad,
+// so double backward records another one. sizes_ / strides_: the forward
+// output's shape, and the strides its mask follows: an incoming gradient laid
+// out otherwise (expanded, another memory format) is copied into this layout
+// first.
 // `inplace_error`: the in-place op's backward PyTorch refuses (leaky_relu_
 // with a negative slope), raised when the node runs, as PyTorch raises it.
 template <typename Act>
@@ -166,7 +136,7 @@ struct MaskBackward : public torch::autograd::TraceableFunction {
   bool inplace_error_ = false;
 };
 
-// The family's public kernels, for install.cpp: forward (CPU / CUDA keys)
+// The activations' public kernels, for install.cpp: forward (CPU / CUDA keys)
 // and autograd, with the op's Scalar arguments in an ActArgs.
 template <typename Act>
 at::Tensor act_kernel(const at::Tensor& x, const ActArgs& a);
@@ -176,7 +146,7 @@ template <typename Act>
 at::Tensor act_autograd(const at::Tensor& x, const ActArgs& a);
 template <typename Act>
 void act_autograd_(at::Tensor& x, const ActArgs& a);
-// The family's public op `name` (relu_ext::<name> or <name>_ with `inplace`,
+// The public op `name` (relu_ext::<name> or <name>_ with `inplace`,
 // which returns x) through the dispatcher: relu_ext's functions in eager mode.
 at::Tensor act_call(const std::string& name, const at::Tensor& x, bool inplace, const ActArgs& a);
 

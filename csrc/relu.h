@@ -82,13 +82,11 @@ void dispatch_width(const at::Tensor& t, Fn&& fn) {
   }
 }
 
-// Kernels on dense tensors, walked in memory order. `x` may alias `y` (in-place);
-// `mask` may be null (inference: no mask is written). forward_int_* is the
-// integer forward (int8/16/32/64, uint8): y = x < 0 ? 0 : x, as torch.relu;
-// integers carry no gradient, so it has no mask.
-void forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask);
+// ReLU's float kernels are act_forward_* / act_backward_*<Relu>
+// (activations.h). forward_int_* is its integer forward (int8/16/32/64,
+// uint8) on dense tensors in memory order, x possibly aliasing y:
+// y = x < 0 ? 0 : x, as torch.relu; integers carry no gradient, so no mask.
 void forward_int_cpu(const at::Tensor& x, const at::Tensor& y);
-void backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in);
 // CPU kernel sets, each needing more of the CPU than the one before; the set
 // in use is chosen at run time (relu_cpu.cpp) and serves every CPU kernel.
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -107,9 +105,7 @@ void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor&
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask);
 
 #ifdef WITH_CUDA
-void forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask);
 void forward_int_cuda(const at::Tensor& x, const at::Tensor& y);
-void backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in);
 // Rows of 32 16-byte vectors a warp loads per loop iteration in the vector
 // kernels (1, 2 or 4; all three are compiled): for tests and tuning.
 int cuda_unroll();

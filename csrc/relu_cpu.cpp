@@ -3,6 +3,7 @@
 // portable C++), so one binary runs on any x86-64 CPU; no -march flag is
 // needed or wanted. AVX-512 is taken only with BW and VBMI2 (the 16-bit lanes
 // and compress / expand of compact_cpu.cpp), as on Zen 4 and Ice Lake on.
+#include "activations.h"
 #include "relu.h"
 
 #include <ATen/Dispatch.h>
@@ -396,7 +397,8 @@ void parallel_blocks(int64_t n, Fn&& fn) {
 
 }  // namespace
 
-void forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
+template <>
+void act_forward_cpu<Relu>(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs&) {
   dispatch_bits(x.scalar_type(), [&](auto fmt) {
     using U = typename decltype(fmt)::U;
     const auto kernel = pick_fwd<U, decltype(fmt)::kInf>(mask != nullptr);
@@ -417,7 +419,8 @@ void forward_int_cpu(const at::Tensor& x, const at::Tensor& y) {
   });
 }
 
-void backward_cpu(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in) {
+template <>
+void act_backward_cpu<Relu>(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in, const ActArgs&) {
   dispatch_bits(grad.scalar_type(), [&](auto fmt) {
     using U = typename decltype(fmt)::U;
     const auto kernel = pick_bwd<U>();

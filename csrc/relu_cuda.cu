@@ -97,7 +97,8 @@ void launch_elementwise(bool vec, int64_t n, int device, cudaStream_t stream, Ke
 
 }  // namespace
 
-void forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask) {
+template <>
+void act_forward_cuda<Relu>(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs&) {
   const int64_t n = x.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -121,7 +122,9 @@ void forward_int_cuda(const at::Tensor& x, const at::Tensor& y) {
   });
 }
 
-void backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in) {
+template <>
+void act_backward_cuda<Relu>(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in,
+                             const ActArgs&) {
   const int64_t n = grad.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(grad.device());

@@ -45,28 +45,11 @@ namespace {
 
 constexpr int64_t kGrain = 32768;
 
-// ReLU as the replay needs it (relu.h's contract in opmath terms): x < 0 -> +0, else x.
-struct ReluAct {
-  static constexpr const char* kName = "relu";
-  static constexpr int kArgs = 0;
-  template <typename T>
-  struct Params {};
-  template <typename T, bool kCuda = false>
-  static Params<T> params(const ActArgs&) {
-    return {};
-  }
-  template <bool kCuda = false, typename T>
-  REPLAY_INLINE static T forward(T x, const Params<T>&) {
-    return to_m(x) < OpMath<T>(0) ? T(0) : x;
-  }
-};
-
 template <typename Fn>
 void with_act(const std::string& name, Fn&& fn) {
-  if (name == ReluAct::kName) return fn(ReluAct{});
 #define RELU_EXT_ACT(Act) \
   if (name == Act::kName) return fn(Act{});
-  RELU_EXT_FAMILY(RELU_EXT_ACT)
+  RELU_EXT_ACTIVATIONS(RELU_EXT_ACT)
 #undef RELU_EXT_ACT
   TORCH_CHECK(false, "relu_ext: no activation '", name, "' to replay (relu, hardtanh, leaky_relu, threshold, hardsigmoid)");
 }

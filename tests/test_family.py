@@ -174,6 +174,11 @@ def test_pytorch_opinfo_samples_bitwise(name):
             _assert_family_equal(ga, gb, f"gradient {what}")
 
 
+def _every_value(dtype: torch.dtype) -> torch.Tensor:
+    """All 65536 values of a 16-bit float dtype, NaNs and infinities included."""
+    return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_hardsigmoid_on_every_value_near_its_corners(dtype, cpu_isa):
     """Every float16 / bfloat16 value, and every float32 in [-3, -2] and [2, 3]
@@ -184,7 +189,7 @@ def test_hardsigmoid_on_every_value_near_its_corners(dtype, cpu_isa):
         pos = torch.arange(lo, hi + 1, dtype=torch.int32).view(torch.float32)
         x = torch.cat([pos, -pos])
     else:
-        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+        x = _every_value(dtype)
     x = x.clone().requires_grad_()
     g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
     ours, theirs = relu_ext.hardsigmoid(x), F.hardsigmoid(x)
@@ -199,7 +204,7 @@ def test_hardtanh_bounds_that_round_twice(dtype, cpu_isa):
     on a 16-bit midpoint (the float16 kernels clamp in float and round the
     bound after; PyTorch rounds it through float too)."""
     tie = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
-    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).clone().requires_grad_()
+    x = _every_value(dtype).clone().requires_grad_()
     g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
     for lo, hi in [(-(1 + tie + 2.0 ** -30), 1 + tie + 2.0 ** -30), (-(3 + 2 * tie), 1 + tie - 2.0 ** -30)]:
         ours, theirs = relu_ext.hardtanh(x, lo, hi), F.hardtanh(x, lo, hi)

@@ -3,8 +3,9 @@
 - Fake kernels: output shapes and layouts, for torch.compile, torch.export and
   the meta device.
 - vmap rules. They are here, not in C++, because functorch's C++ headers need
-  a JSON library that torch does not ship. ``relu`` / ``relu_`` are
-  element-wise and run on the whole batch at once; the mask ops run sample by
+  a JSON library that torch does not ship. The public ops (``relu``,
+  ``hardtanh``, ... and their in-place forms) are element-wise and run on the
+  whole batch at once; the mask ops run sample by
   sample, so that each sample's mask is exactly that sample's own mask (in its
   own memory order, which is what the backward node expects).
 """
@@ -16,47 +17,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (loads the native library: the ops must exist first)
+from . import _C  # loads the native library: the ops must exist first
 
 _ops = torch.ops.relu_ext
 
 
 def _mask_numel(x: Tensor) -> Any:
     return (x.numel() + 7) // 8
-
-
-@torch.library.register_fake("relu_ext::relu")
-def _relu_fake(x: Tensor) -> Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("relu_ext::relu_")
-def _relu_inplace_fake(x: Tensor) -> None:
-    return None
-
-
-@torch.library.register_fake("relu_ext::relu_fwd")
-def _relu_fwd_fake(x: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), x.new_empty((_mask_numel(x),), dtype=torch.uint8)
-
-
-@torch.library.register_fake("relu_ext::relu_fwd_")
-def _relu_fwd_inplace_fake(x: Tensor) -> Tensor:
-    return x.new_empty((_mask_numel(x),), dtype=torch.uint8)
-
-
-@torch.library.register_fake("relu_ext::relu_bwd")
-def _relu_bwd_fake(grad: Tensor, mask: Tensor) -> Tensor:
-    torch._check(
-        grad.device == mask.device,
-        lambda: f"relu_ext::relu_bwd: grad is on {grad.device} but mask is on {mask.device}; both must be on the same device",
-    )
-    torch._check(mask.dtype == torch.uint8, lambda: f"relu_ext::relu_bwd: mask has dtype {mask.dtype}; expected uint8")
-    torch._check(
-        mask.dim() == 1 and mask.numel() == _mask_numel(grad),
-        lambda: f"relu_ext::relu_bwd: mask has shape {tuple(mask.shape)} but grad has {grad.numel()} elements",
-    )
-    return torch.empty_like(grad)
 
 
 @torch.library.register_fake("relu_ext::compact")
@@ -109,52 +76,11 @@ def _stacked_masks(masks: list[Tensor], x: Tensor, bdim: int) -> Tensor:
     return x.new_empty((0, (n + 7) // 8), dtype=torch.uint8)  # an empty batch: no sample to run
 
 
-@torch.library.register_vmap("relu_ext::relu")
-def _relu_vmap(info: Any, in_dims: tuple[int | None], x: Tensor) -> tuple[Tensor, int | None]:
-    return _ops.relu(x), in_dims[0]
+# --- the activations (the C++ table: relu and the family), generated per op -------------
 
 
-@torch.library.register_vmap("relu_ext::relu_")
-def _relu_inplace_vmap(info: Any, in_dims: tuple[int | None], x: Tensor) -> tuple[None, None]:
-    _ops.relu_(x)
-    return None, None
-
-
-@torch.library.register_vmap("relu_ext::relu_fwd")
-def _relu_fwd_vmap(info: Any, in_dims: tuple[int], x: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
-    (d,) = in_dims
-    results = _per_sample(info.batch_size, lambda b: _ops.relu_fwd(x.select(d, b)))
-    y = torch.stack([r[0] for r in results]) if results else x.movedim(d, 0).clone()
-    return (y, _stacked_masks([r[1] for r in results], x, d)), (0, 0)
-
-
-@torch.library.register_vmap("relu_ext::relu_fwd_")
-def _relu_fwd_inplace_vmap(info: Any, in_dims: tuple[int], x: Tensor) -> tuple[Tensor, int]:
-    (d,) = in_dims
-    masks = _per_sample(info.batch_size, lambda b: _ops.relu_fwd_(x.select(d, b)))
-    return _stacked_masks(masks, x, d), 0
-
-
-@torch.library.register_vmap("relu_ext::relu_bwd")
-def _relu_bwd_vmap(info: Any, in_dims: tuple[int | None, int | None], grad: Tensor, mask: Tensor) -> tuple[Tensor, int]:
-    # Either may be batched: jacrev, for one, runs one unbatched forward and
-    # vmaps the backward over many gradients.
-    gd, md = in_dims
-    out = _per_sample(
-        info.batch_size,
-        lambda b: _ops.relu_bwd(
-            grad if gd is None else grad.select(gd, b), mask if md is None else mask.select(md, b).contiguous()
-        ),
-    )
-    if out:
-        return torch.stack(out), 0
-    return (grad.unsqueeze(0)[:0] if gd is None else grad.movedim(gd, 0)).clone(), 0
-
-
-# --- the family (activations.ACTIVATIONS): the same rules, generated per op -------------
-
-
-def _register_family(name: str) -> None:
+def _register_activation(name: str) -> None:
+    """Fake kernels and vmap rules for relu_ext::<name> and its in-place and training ops."""
     op = f"relu_ext::{name}"
     fwd, fwd_, bwd = getattr(_ops, f"{name}_fwd"), getattr(_ops, f"{name}_fwd_"), getattr(_ops, f"{name}_bwd")
     public, public_ = getattr(_ops, name), getattr(_ops, f"{name}_")
@@ -167,7 +93,7 @@ def _register_family(name: str) -> None:
     torch.library.register_fake(f"{op}_fwd_")(lambda x, *args: x.new_empty((_mask_numel(x),), dtype=torch.uint8))
 
     def bwd_fake(grad: Tensor, mask: Tensor, *args: Any) -> Tensor:
-        torch._check(grad.device == mask.device, lambda: f"{op}_bwd: grad is on {grad.device} but mask is on {mask.device}")
+        torch._check(grad.device == mask.device, lambda: f"{op}_bwd: grad is on {grad.device} but mask is on {mask.device}; both must be on the same device")
         torch._check(mask.dtype == torch.uint8, lambda: f"{op}_bwd: mask has dtype {mask.dtype}; expected uint8")
         torch._check(
             mask.dim() == 1 and mask.numel() == _mask_numel(grad),
@@ -178,6 +104,8 @@ def _register_family(name: str) -> None:
     torch.library.register_fake(f"{op}_bwd")(bwd_fake)
 
     # Element-wise: the public ops run on the whole batch; the mask ops per sample.
+    # Either input of the backward may be batched: jacrev, for one, runs one
+    # unbatched forward and vmaps the backward over many gradients.
     def public_vmap(info: Any, in_dims: tuple, x: Tensor, *args: Any) -> tuple[Tensor, int | None]:
         return public(x, *args), in_dims[0]
 
@@ -214,11 +142,5 @@ def _register_family(name: str) -> None:
     torch.library.register_vmap(f"{op}_bwd")(bwd_vmap)
 
 
-def _register_all() -> None:
-    from .activations import ACTIVATIONS
-
-    for act in ACTIVATIONS:
-        _register_family(act.name)
-
-
-_register_all()
+for _name in _C.install_targets():  # the table's names, declared once (csrc/activations.h)
+    _register_activation(_name)
