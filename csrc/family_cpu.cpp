@@ -16,6 +16,7 @@
 #endif
 
 #include "activations.h"
+#include "half_block.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -38,7 +39,7 @@ namespace {
 
 // Elements per mask word; threads split tensors on these, so no two write
 // one mask byte. Blocks per task: 32K elements, as relu_cpu.cpp.
-constexpr int64_t kBlock = 64;
+constexpr int64_t kBlock = kHalfBlock;
 constexpr int64_t kGrainBlocks = 512;
 
 // The mask bits of a block as lanes of the elements' width (all ones or
@@ -164,53 +165,6 @@ struct Lanes<kAvx512, uint64_t> {
     }
   }
 };
-#endif
-
-// A block of float16 to float and back with the hardware's conversions (F16C
-// in the AVX2 set, AVX-512F's own): exact one way, round to nearest even the
-// other, as c10::Half's. A NaN stays a NaN; its payload is the hardware's
-// (PyTorch's vectorized loops convert the same way).
-template <int I>
-struct HalfBlock;  // none for the portable set: it runs the trait on c10::Half
-
-#ifdef FAMILY_X86
-template <>
-struct HalfBlock<kAvx2> {
-  FAMILY_AVX2 static void widen(const c10::Half* h, float* f) {
-    for (int v = 0; v < kBlock / 8; ++v) {
-      _mm256_storeu_ps(f + 8 * v, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8 * v))));
-    }
-  }
-  FAMILY_AVX2 static void narrow(const float* f, c10::Half* h) {
-    for (int v = 0; v < kBlock / 8; ++v) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + 8 * v),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(f + 8 * v), _MM_FROUND_TO_NEAREST_INT));
-    }
-  }
-};
-
-template <>
-struct HalfBlock<kAvx512> {
-  FAMILY_AVX512 static void widen(const c10::Half* h, float* f) {
-    for (int v = 0; v < kBlock / 16; ++v) {
-      _mm512_storeu_ps(f + 16 * v, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 16 * v))));
-    }
-  }
-  FAMILY_AVX512 static void narrow(const float* f, c10::Half* h) {
-    for (int v = 0; v < kBlock / 16; ++v) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + 16 * v),
-                          _mm512_cvtps_ph(_mm512_loadu_ps(f + 16 * v), _MM_FROUND_TO_NEAREST_INT));
-    }
-  }
-};
-#endif
-
-// Whether the float16 kernels of set I go through HalfBlock.
-template <typename T, int I>
-#ifdef FAMILY_X86
-constexpr bool kViaFloat = std::is_same_v<T, c10::Half> && I != kScalar;
-#else
-constexpr bool kViaFloat = false;
 #endif
 
 // The mask lanes' type: the unsigned integer of the opmath type's width (the

@@ -24,6 +24,7 @@
 #endif
 
 #include "activations.h"
+#include "half_block.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -35,7 +36,7 @@
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define REPLAY_X86 1
-#define REPLAY_AVX2 __attribute__((target("avx2,fma")))
+#define REPLAY_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define REPLAY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,fma")))
 #endif
 #define REPLAY_INLINE inline __attribute__((always_inline))
@@ -73,9 +74,9 @@ REPLAY_INLINE T replay(T x, OpMath<T> a, OpMath<T> b, const P<Act, T>& p) {
 
 // One channel's stretch of `len` elements (a, b fixed) or a row of channels
 // (a, b arrays), in blocks of a fixed count with __restrict pointers, which
-// the compiler vectorizes (the 16-bit conversions included); kVerify:
+// the compiler vectorizes (bfloat16's conversions included); kVerify:
 // compare with y (returns the OR of the bit differences), else write y.
-constexpr int64_t kBlock = 64;
+constexpr int64_t kBlock = kHalfBlock;
 
 template <typename Act, typename T, bool kVerify, bool kRow, typename U>
 REPLAY_INLINE void one(const T* __restrict x, T* __restrict y, const OpMath<T>* __restrict ar,
@@ -89,15 +90,44 @@ REPLAY_INLINE void one(const T* __restrict x, T* __restrict y, const OpMath<T>* 
   }
 }
 
-template <typename Act, typename T, bool kVerify, bool kRow>
+// float16 in the vector sets: a block through float with the hardware's
+// conversions (half_block.h): the BatchNorm output rounded to float16 and
+// back (what the activation reads), the activation on floats with its
+// parameters in float (the trait's widen), rounded to float16 once.
+// (bfloat16's conversions vectorize as they are: it takes the loop below.)
+template <typename Act, int I, bool kVerify, bool kRow>
+REPLAY_INLINE void half_block(const c10::Half* __restrict x, c10::Half* __restrict y, const float* __restrict ar,
+                              const float* __restrict br, float a, float b, const P<Act, float>& pw,
+                              uint16_t& diff) {
+  alignas(64) float v[kBlock];
+  HalfBlock<I>::widen(x, v);
+  for (int64_t k = 0; k < kBlock; ++k) v[k] = std::fma(v[k], kRow ? ar[k] : a, kRow ? br[k] : b);
+  HalfBlock<I>::round(v);
+  for (int64_t k = 0; k < kBlock; ++k) v[k] = Act::forward(v[k], pw);
+  if constexpr (kVerify) {
+    diff |= HalfBlock<I>::differs(v, y);
+  } else {
+    HalfBlock<I>::narrow(v, y);
+  }
+}
+
+template <typename Act, typename T, int I, bool kVerify, bool kRow>
 REPLAY_INLINE uint64_t stretch(const T* __restrict x, T* __restrict y, const OpMath<T>* __restrict ar,
                                const OpMath<T>* __restrict br, OpMath<T> a, OpMath<T> b, int64_t len,
                                const P<Act, T>& p) {
   using U = decltype(bits_of(T{}));
   U diff = 0;
   int64_t j = 0;
-  for (; j + kBlock <= len; j += kBlock) {
-    for (int64_t k = j; k < j + kBlock; ++k) one<Act, T, kVerify, kRow>(x, y, ar, br, a, b, k, p, diff);
+  if constexpr (kViaFloat<T, I>) {
+    const auto pw = Act::widen(p);
+    for (; j + kBlock <= len; j += kBlock) {
+      half_block<Act, I, kVerify, kRow>(x + j, y + j, kRow ? ar + j : nullptr, kRow ? br + j : nullptr, a, b, pw,
+                                        diff);
+    }
+  } else {
+    for (; j + kBlock <= len; j += kBlock) {
+      for (int64_t k = j; k < j + kBlock; ++k) one<Act, T, kVerify, kRow>(x, y, ar, br, a, b, k, p, diff);
+    }
   }
   for (; j < len; ++j) one<Act, T, kVerify, kRow>(x, y, ar, br, a, b, j, p, diff);
   return diff;
@@ -105,7 +135,7 @@ REPLAY_INLINE uint64_t stretch(const T* __restrict x, T* __restrict y, const OpM
 
 // Elements [begin, end) in memory order, split into stretches of one channel
 // (runs of `inner` elements) or rows of channels (inner == 1).
-template <typename Act, typename T, bool kVerify>
+template <typename Act, typename T, int I, bool kVerify>
 REPLAY_INLINE uint64_t body(const T* x, const OpMath<T>* alpha, const OpMath<T>* beta, T* y, int64_t inner,
                             int64_t channels, int64_t begin, int64_t end, const P<Act, T>& params) {
   const P<Act, T> p = params;
@@ -114,11 +144,11 @@ REPLAY_INLINE uint64_t body(const T* x, const OpMath<T>* alpha, const OpMath<T>*
   while (o < end) {
     if (inner == 1) {
       const int64_t c0 = o % channels, stop = std::min(end, o + channels - c0);
-      diff |= stretch<Act, T, kVerify, true>(x + o, y + o, alpha + c0, beta + c0, 0, 0, stop - o, p);
+      diff |= stretch<Act, T, I, kVerify, true>(x + o, y + o, alpha + c0, beta + c0, 0, 0, stop - o, p);
       o = stop;
     } else {
       const int64_t k = o / inner, stop = std::min(end, (k + 1) * inner);
-      diff |= stretch<Act, T, kVerify, false>(x + o, y + o, nullptr, nullptr, alpha[k % channels],
+      diff |= stretch<Act, T, I, kVerify, false>(x + o, y + o, nullptr, nullptr, alpha[k % channels],
                                               beta[k % channels], stop - o, p);
       o = stop;
     }
@@ -133,18 +163,18 @@ using BodyFn = uint64_t (*)(const T*, const OpMath<T>*, const OpMath<T>*, T*, in
 template <typename Act, typename T, bool kVerify>
 uint64_t body_scalar(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c, int64_t begin,
                      int64_t end, const P<Act, T>& p) {
-  return body<Act, T, kVerify>(x, a, b, y, inner, c, begin, end, p);
+  return body<Act, T, kScalar, kVerify>(x, a, b, y, inner, c, begin, end, p);
 }
 #ifdef REPLAY_X86
 template <typename Act, typename T, bool kVerify>
 REPLAY_AVX2 uint64_t body_avx2(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c,
                                int64_t begin, int64_t end, const P<Act, T>& p) {
-  return body<Act, T, kVerify>(x, a, b, y, inner, c, begin, end, p);
+  return body<Act, T, kAvx2, kVerify>(x, a, b, y, inner, c, begin, end, p);
 }
 template <typename Act, typename T, bool kVerify>
 REPLAY_AVX512 uint64_t body_avx512(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c,
                                    int64_t begin, int64_t end, const P<Act, T>& p) {
-  return body<Act, T, kVerify>(x, a, b, y, inner, c, begin, end, p);
+  return body<Act, T, kAvx512, kVerify>(x, a, b, y, inner, c, begin, end, p);
 }
 #endif
 

@@ -48,8 +48,11 @@ def _bn_case(dtype: torch.dtype, shape: tuple[int, ...], layout: str, training: 
 
 
 # Planes of odd sizes (PyTorch's vector loop and its tail), channels_last rows, BatchNorm1d's (N, C) and (N, C, L).
+# Runs of one channel (contiguous) or rows of channels (channels_last) shorter
+# than a block of 64, of one block and a tail, and of several blocks and a tail.
 SHAPES = [((4, 8, 9, 7), "contiguous"), ((3, 5, 33, 3), "contiguous"), ((4, 8, 9, 7), "channels_last"),
-          ((2, 37, 5, 3), "channels_last"), ((64, 20), "contiguous"), ((2, 7, 41), "contiguous")]
+          ((2, 37, 5, 3), "channels_last"), ((64, 20), "contiguous"), ((2, 7, 41), "contiguous"),
+          ((2, 70, 3, 3), "channels_last"), ((2, 3, 130), "contiguous")]
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
