@@ -407,6 +407,22 @@ struct Family<Act, std::index_sequence<I...>> {
     m.impl((n + "_bwd").c_str(), &bwd);
   }
 
+  // A build without CUDA kernels: its CUDA-key kernels say so and why,
+  // instead of the dispatcher's "could not run ... with arguments from the
+  // 'CUDA' backend".
+  static void impl_no_cuda(torch::Library& m) {
+    const std::string n = Act::kName;
+    m.impl(n.c_str(), [](const at::Tensor&, ScalarArg<I>...) -> at::Tensor { no_cuda_kernels(name("")); });
+    m.impl((n + "_").c_str(), [](at::Tensor&, ScalarArg<I>...) { no_cuda_kernels(name("_")); });
+    m.impl((n + "_fwd").c_str(), [](const at::Tensor&, ScalarArg<I>...) -> std::tuple<at::Tensor, at::Tensor> {
+      no_cuda_kernels(name("_fwd"));
+    });
+    m.impl((n + "_fwd_").c_str(), [](at::Tensor&, ScalarArg<I>...) -> at::Tensor { no_cuda_kernels(name("_fwd_")); });
+    m.impl((n + "_bwd").c_str(), [](const at::Tensor&, const at::Tensor&, ScalarArg<I>...) -> at::Tensor {
+      no_cuda_kernels(name("_bwd"));
+    });
+  }
+
   static void impl_autograd(torch::Library& m) {
     const std::string n = Act::kName;
     m.impl(n.c_str(), &pub_autograd);
@@ -532,8 +548,8 @@ TORCH_LIBRARY_FRAGMENT(relu_ext, m) {
 #undef X
 }
 
-// The wrappers pick CPU or CUDA kernels from the tensor's device (and say so
-// in a build without CUDA kernels), so both keys share them.
+// The wrappers pick CPU or CUDA kernels from the tensor's device, so both
+// keys share them (a build without CUDA kernels has impl_no_cuda's instead).
 TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
 #define X(Act) Family<Act>::impl_kernels(m);
   RELU_EXT_ACTIVATIONS(X)
@@ -541,7 +557,11 @@ TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
+#ifdef WITH_CUDA
 #define X(Act) Family<Act>::impl_kernels(m);
+#else
+#define X(Act) Family<Act>::impl_no_cuda(m);
+#endif
   RELU_EXT_ACTIVATIONS(X)
 #undef X
 }

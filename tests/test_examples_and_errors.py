@@ -88,7 +88,8 @@ def test_device_without_kernels_is_reported_by_training_pieces(device):
 def test_cpu_only_build_explains_a_cuda_tensor():
     """The CUDA-key kernels of a CPU-only build say why (called directly: no GPU is needed)."""
     for op, args in ((torch.ops.relu_ext.relu.default, (torch.randn(3),)),
-                     (torch.ops.relu_ext.relu_bwd.default, (torch.randn(3), torch.zeros(1, dtype=torch.uint8)))):
+                     (torch.ops.relu_ext.relu_bwd.default, (torch.randn(3), torch.zeros(1, dtype=torch.uint8))),
+                     (torch.ops.relu_ext.hardtanh_fwd.default, (torch.randn(3), 0.0, 6.0))):
         with pytest.raises(RuntimeError, match="input is on CUDA, but this relu_ext build has CPU kernels only"):
             op._op_dk(torch._C.DispatchKey.CUDA, *args)
 
