@@ -310,14 +310,16 @@ void act_backward_cpu<Relu>(const at::Tensor& grad, const uint8_t* mask, const a
 // BatchNorm -> activation replay (replay_cpu.cpp; save_compact's recipes).
 // bn_terms_cpu: PyTorch's CPU BatchNorm terms per channel into alpha / beta
 // (opmath, `var` being save_invstd in training, running_var in eval).
-// bn_act_cpu: act(BN(x)) for a dense x with its channels in dimension 1,
-// `act` "relu" or a trait's kName with its arguments; written into y, or with
+// bn_act_cpu: act(BN(x)) for a dense x with its channels in dimension 1, or,
+// given x2 (laid out as x), act(BN(x) + BN2(x2)) (the residual add); `act`
+// "relu" or a trait's kName with its arguments; written into y, or with
 // `verify` compared with y bit for bit (y unchanged; returns whether equal).
 void bn_terms_cpu(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                   const at::Tensor& mean, const at::Tensor& var, bool training, double eps, const at::Tensor& alpha,
                   const at::Tensor& beta);
-bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const std::string& act,
-                c10::ArrayRef<double> args, const at::Tensor& y, bool verify);
+bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& x2,
+                const at::Tensor& alpha2, const at::Tensor& beta2, const std::string& act, c10::ArrayRef<double> args,
+                const at::Tensor& y, bool verify);
 
 #ifdef WITH_CUDA
 template <typename Act>

@@ -58,23 +58,28 @@ std::tuple<at::Tensor, at::Tensor> bn_terms_autograd(const std::optional<at::Ten
 }
 
 at::Tensor bn_act_verify_autograd(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
-                                  c10::string_view act, at::ArrayRef<double> args, const at::Tensor& y) {
-  using Arg = std::pair<const at::Tensor&, const char*>;
-  for (const auto& [t, arg] : {Arg{x, "x"}, Arg{alpha, "alpha"}, Arg{beta, "beta"}, Arg{y, "y"}}) {
-    check_not_differentiable(t, "relu_ext::bn_act_verify", arg);
+                                  c10::string_view act, at::ArrayRef<double> args, const at::Tensor& y,
+                                  const OptTensor& x2, const OptTensor& alpha2, const OptTensor& beta2) {
+  using Arg = std::pair<const at::Tensor*, const char*>;
+  for (const auto& [t, arg] : {Arg{&x, "x"}, Arg{&alpha, "alpha"}, Arg{&beta, "beta"}, Arg{&y, "y"},
+                               Arg{x2 ? &*x2 : nullptr, "x2"}, Arg{alpha2 ? &*alpha2 : nullptr, "alpha2"},
+                               Arg{beta2 ? &*beta2 : nullptr, "beta2"}}) {
+    if (t) check_not_differentiable(*t, "relu_ext::bn_act_verify", arg);
   }
   const at::AutoDispatchBelowADInplaceOrView below;
-  return bn_act_verify_op().call(x, alpha, beta, act, args, y);
+  return bn_act_verify_op().call(x, alpha, beta, act, args, y, x2, alpha2, beta2);
 }
 
 at::Tensor bn_act_rebuild_autograd(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
-                                   c10::string_view act, at::ArrayRef<double> args) {
-  using Arg = std::pair<const at::Tensor&, const char*>;
-  for (const auto& [t, arg] : {Arg{x, "x"}, Arg{alpha, "alpha"}, Arg{beta, "beta"}}) {
-    check_not_differentiable(t, "relu_ext::bn_act_rebuild", arg);
+                                   c10::string_view act, at::ArrayRef<double> args, const OptTensor& x2,
+                                   const OptTensor& alpha2, const OptTensor& beta2) {
+  using Arg = std::pair<const at::Tensor*, const char*>;
+  for (const auto& [t, arg] : {Arg{&x, "x"}, Arg{&alpha, "alpha"}, Arg{&beta, "beta"}, Arg{x2 ? &*x2 : nullptr, "x2"},
+                               Arg{alpha2 ? &*alpha2 : nullptr, "alpha2"}, Arg{beta2 ? &*beta2 : nullptr, "beta2"}}) {
+    if (t) check_not_differentiable(*t, "relu_ext::bn_act_rebuild", arg);
   }
   const at::AutoDispatchBelowADInplaceOrView below;
-  return bn_act_rebuild_op().call(x, alpha, beta, act, args);
+  return bn_act_rebuild_op().call(x, alpha, beta, act, args, x2, alpha2, beta2);
 }
 
 }  // namespace

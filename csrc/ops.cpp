@@ -184,24 +184,53 @@ void check_replay(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor
   }
 }
 
+// The residual add's second input: x2 with its terms, laid out as x; none, or all three.
+void check_second(const at::Tensor& x, const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& alpha2,
+                  const std::optional<at::Tensor>& beta2, const char* op) {
+  if (!x2) {
+    TORCH_CHECK(!alpha2 && !beta2, op, ": alpha2 and beta2 are x2's terms; got them without x2");
+    return;
+  }
+  TORCH_CHECK(alpha2 && beta2, op, ": x2 needs its terms alpha2 and beta2");
+  TORCH_CHECK(x2->device() == x.device() && x2->scalar_type() == x.scalar_type() && x2->sizes() == x.sizes() &&
+                  x2->strides() == x.strides(),
+              op, ": x2 must have x's dtype, device, shape and strides; got ", x2->scalar_type(), " ", x2->sizes(),
+              " strides ", x2->strides(), " on ", x2->device(), " for x's ", x.scalar_type(), " ", x.sizes(),
+              " strides ", x.strides(), " on ", x.device());
+  check_replay(*x2, *alpha2, *beta2, op);
+}
+
+bool bn_act(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, c10::string_view act,
+            at::ArrayRef<double> args, const at::Tensor& y, const std::optional<at::Tensor>& x2,
+            const std::optional<at::Tensor>& alpha2, const std::optional<at::Tensor>& beta2, bool verify) {
+  return bn_act_cpu(x, alpha, beta, x2.value_or(at::Tensor()), alpha2.value_or(at::Tensor()),
+                    beta2.value_or(at::Tensor()), std::string(act), args, y, verify);
+}
+
 at::Tensor bn_act_verify(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
-                         c10::string_view act, at::ArrayRef<double> args, const at::Tensor& y) {
+                         c10::string_view act, at::ArrayRef<double> args, const at::Tensor& y,
+                         const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& alpha2,
+                         const std::optional<at::Tensor>& beta2) {
   const char* op = "relu_ext::bn_act_verify";
   check_replay(x, alpha, beta, op);
+  check_second(x, x2, alpha2, beta2, op);
   TORCH_CHECK(y.device() == x.device() && y.scalar_type() == x.scalar_type() && y.sizes() == x.sizes() &&
                   y.strides() == x.strides(),
               op, ": y must have x's dtype, device, shape and strides; got ", y.scalar_type(), " ", y.sizes(),
               " strides ", y.strides(), " on ", y.device(), " for x's ", x.scalar_type(), " ", x.sizes(),
               " strides ", x.strides(), " on ", x.device());
-  const bool equal = bn_act_cpu(x, alpha, beta, std::string(act), args, y, /*verify=*/true);
+  const bool equal = bn_act(x, alpha, beta, act, args, y, x2, alpha2, beta2, /*verify=*/true);
   return at::scalar_tensor(equal, x.options().dtype(at::kBool));
 }
 
 at::Tensor bn_act_rebuild(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
-                          c10::string_view act, at::ArrayRef<double> args) {
-  check_replay(x, alpha, beta, "relu_ext::bn_act_rebuild");
+                          c10::string_view act, at::ArrayRef<double> args, const std::optional<at::Tensor>& x2,
+                          const std::optional<at::Tensor>& alpha2, const std::optional<at::Tensor>& beta2) {
+  const char* op = "relu_ext::bn_act_rebuild";
+  check_replay(x, alpha, beta, op);
+  check_second(x, x2, alpha2, beta2, op);
   at::Tensor y = at::empty_strided(x.sizes(), x.strides(), x.options());
-  bn_act_cpu(x, alpha, beta, std::string(act), args, y, /*verify=*/false);
+  bn_act(x, alpha, beta, act, args, y, x2, alpha2, beta2, /*verify=*/false);
   return y;
 }
 
@@ -228,11 +257,15 @@ TORCH_LIBRARY(relu_ext, m) {
   // save_compact's recipes: an activation output after a BatchNorm rebuilt from
   // the BatchNorm's input and per-channel terms, as PyTorch's CPU kernels
   // computed it (replay_cpu.cpp): the terms, a bit-for-bit check against the
-  // real output (a bool scalar), and the rebuild. Not differentiable.
+  // real output (a bool scalar), and the rebuild. With x2: the activation of
+  // BN(x) + BN2(x2), a residual add (x2 with alpha2 = 1, beta2 = -0.0 is
+  // added as it is). Not differentiable.
   m.def("bn_terms(Tensor? weight, Tensor? bias, Tensor mean, Tensor var, bool training, float eps, "
         "ScalarType dtype) -> (Tensor alpha, Tensor beta)");
-  m.def("bn_act_verify(Tensor x, Tensor alpha, Tensor beta, str act, float[] args, Tensor y) -> Tensor");
-  m.def("bn_act_rebuild(Tensor x, Tensor alpha, Tensor beta, str act, float[] args) -> Tensor");
+  m.def("bn_act_verify(Tensor x, Tensor alpha, Tensor beta, str act, float[] args, Tensor y, Tensor? x2=None, "
+        "Tensor? alpha2=None, Tensor? beta2=None) -> Tensor");
+  m.def("bn_act_rebuild(Tensor x, Tensor alpha, Tensor beta, str act, float[] args, Tensor? x2=None, "
+        "Tensor? alpha2=None, Tensor? beta2=None) -> Tensor");
 }
 
 // The wrappers pick the kernel from the tensor's device, so both keys share them.

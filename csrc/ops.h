@@ -24,10 +24,12 @@ using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArr
 using NonzeroMaskFn = at::Tensor(const at::Tensor&);
 using BnTermsFn = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                                      const at::Tensor&, const at::Tensor&, bool, double, at::ScalarType);
+using OptTensor = std::optional<at::Tensor>;
 using BnActVerifyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
-                                 at::ArrayRef<double>, const at::Tensor&);
+                                 at::ArrayRef<double>, const at::Tensor&, const OptTensor&, const OptTensor&,
+                                 const OptTensor&);
 using BnActRebuildFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
-                                  at::ArrayRef<double>);
+                                  at::ArrayRef<double>, const OptTensor&, const OptTensor&, const OptTensor&);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> find_op(const char* name) {

@@ -66,23 +66,35 @@ REPLAY_INLINE auto bits_of(T v) {
 template <typename Act, typename T>
 using P = typename Act::template Params<T>;
 
-// One element: the BatchNorm output in T, then the activation.
-template <typename Act, typename T>
-REPLAY_INLINE T replay(T x, OpMath<T> a, OpMath<T> b, const P<Act, T>& p) {
-  return Act::forward(from_m<T>(std::fma(to_m(x), a, b)), p);
-}
-
-// One channel's stretch of `len` elements (a, b fixed) or a row of channels
-// (a, b arrays), in blocks of a fixed count with __restrict pointers, which
-// the compiler vectorizes (bfloat16's conversions included); kVerify:
-// compare with y (returns the OR of the bit differences), else write y.
 constexpr int64_t kBlock = kHalfBlock;
 
-template <typename Act, typename T, bool kVerify, bool kRow, typename U>
-REPLAY_INLINE void one(const T* __restrict x, T* __restrict y, const OpMath<T>* __restrict ar,
-                       const OpMath<T>* __restrict br, OpMath<T> a, OpMath<T> b, int64_t j, const P<Act, T>& p,
-                       U& diff) {
-  const T v = replay<Act>(x[j], kRow ? ar[j] : a, kRow ? br[j] : b, p);
+// A BatchNorm input and its per-channel terms, as one stretch reads them:
+// a, b for a stretch of one channel, or the arrays ar, br for a row of channels.
+template <typename T>
+struct Src {
+  const T* x;
+  const OpMath<T>* ar;
+  const OpMath<T>* br;
+  OpMath<T> a, b;
+};
+
+// The BatchNorm output in T (opmath fma, rounded once).
+template <typename T, bool kRow>
+REPLAY_INLINE T bn_at(const T* __restrict x, const OpMath<T>* __restrict ar, const OpMath<T>* __restrict br,
+                      OpMath<T> a, OpMath<T> b, int64_t j) {
+  return from_m<T>(std::fma(to_m(x[j]), kRow ? ar[j] : a, kRow ? br[j] : b));
+}
+
+// One element: the BatchNorm output, with kRes plus the second one (added in
+// opmath and rounded to T: PyTorch's `out += identity`), then the activation.
+template <typename Act, typename T, bool kVerify, bool kRow, bool kRes, typename U>
+REPLAY_INLINE void one(const T* __restrict x, const OpMath<T>* __restrict ar, const OpMath<T>* __restrict br,
+                       OpMath<T> a, OpMath<T> b, const T* __restrict x2, const OpMath<T>* __restrict ar2,
+                       const OpMath<T>* __restrict br2, OpMath<T> a2, OpMath<T> b2, T* __restrict y, int64_t j,
+                       const P<Act, T>& p, U& diff) {
+  T v = bn_at<T, kRow>(x, ar, br, a, b, j);
+  if constexpr (kRes) v = from_m<T>(to_m(v) + to_m(bn_at<T, kRow>(x2, ar2, br2, a2, b2, j)));
+  v = Act::forward(v, p);
   if constexpr (kVerify) {
     diff |= bits_of(v) ^ bits_of(y[j]);
   } else {
@@ -91,103 +103,134 @@ REPLAY_INLINE void one(const T* __restrict x, T* __restrict y, const OpMath<T>* 
 }
 
 // float16 in the vector sets: a block through float with the hardware's
-// conversions (half_block.h): the BatchNorm output rounded to float16 and
-// back (what the activation reads), the activation on floats with its
-// parameters in float (the trait's widen), rounded to float16 once.
+// conversions (half_block.h): each BatchNorm output rounded to float16 and
+// back (what the add and the activation read), the activation on floats with
+// its parameters in float (the trait's widen), rounded to float16 once.
 // (bfloat16's conversions vectorize as they are: it takes the loop below.)
-template <typename Act, int I, bool kVerify, bool kRow>
-REPLAY_INLINE void half_block(const c10::Half* __restrict x, c10::Half* __restrict y, const float* __restrict ar,
-                              const float* __restrict br, float a, float b, const P<Act, float>& pw,
-                              uint16_t& diff) {
-  alignas(64) float v[kBlock];
+template <int I, bool kRow>
+REPLAY_INLINE void half_bn(const c10::Half* __restrict x, const float* __restrict ar, const float* __restrict br,
+                           float a, float b, float* __restrict v) {
   HalfBlock<I>::widen(x, v);
   for (int64_t k = 0; k < kBlock; ++k) v[k] = std::fma(v[k], kRow ? ar[k] : a, kRow ? br[k] : b);
   HalfBlock<I>::round(v);
+}
+
+template <typename Act, int I, bool kVerify, bool kRow, bool kRes>
+REPLAY_INLINE void half_block(const Src<c10::Half>& s, const Src<c10::Half>& s2, int64_t j, c10::Half* __restrict y,
+                              const P<Act, float>& pw, uint16_t& diff) {
+  alignas(64) float v[kBlock];
+  half_bn<I, kRow>(s.x + j, kRow ? s.ar + j : nullptr, kRow ? s.br + j : nullptr, s.a, s.b, v);
+  if constexpr (kRes) {
+    alignas(64) float w[kBlock];
+    half_bn<I, kRow>(s2.x + j, kRow ? s2.ar + j : nullptr, kRow ? s2.br + j : nullptr, s2.a, s2.b, w);
+    for (int64_t k = 0; k < kBlock; ++k) v[k] += w[k];
+    HalfBlock<I>::round(v);
+  }
   for (int64_t k = 0; k < kBlock; ++k) v[k] = Act::forward(v[k], pw);
   if constexpr (kVerify) {
-    diff |= HalfBlock<I>::differs(v, y);
+    diff |= HalfBlock<I>::differs(v, y + j);
   } else {
-    HalfBlock<I>::narrow(v, y);
+    HalfBlock<I>::narrow(v, y + j);
   }
 }
 
-template <typename Act, typename T, int I, bool kVerify, bool kRow>
-REPLAY_INLINE uint64_t stretch(const T* __restrict x, T* __restrict y, const OpMath<T>* __restrict ar,
-                               const OpMath<T>* __restrict br, OpMath<T> a, OpMath<T> b, int64_t len,
-                               const P<Act, T>& p) {
+// One channel's stretch of `len` elements (kRow false) or a row of channels,
+// in blocks of a fixed count with __restrict pointers, which the compiler
+// vectorizes (bfloat16's conversions included); kVerify: compare with y
+// (returns the OR of the bit differences), else write y.
+template <typename Act, typename T, int I, bool kVerify, bool kRow, bool kRes>
+REPLAY_INLINE uint64_t stretch(const Src<T>& s, const Src<T>& s2, T* __restrict y, int64_t len, const P<Act, T>& p) {
   using U = decltype(bits_of(T{}));
   U diff = 0;
   int64_t j = 0;
+  const T* __restrict x = s.x;
+  const T* __restrict x2 = s2.x;
+  const OpMath<T>* __restrict ar = s.ar;
+  const OpMath<T>* __restrict br = s.br;
+  const OpMath<T>* __restrict ar2 = s2.ar;
+  const OpMath<T>* __restrict br2 = s2.br;
+  const OpMath<T> a = s.a, b = s.b, a2 = s2.a, b2 = s2.b;
   if constexpr (kViaFloat<T, I>) {
     const auto pw = Act::widen(p);
-    for (; j + kBlock <= len; j += kBlock) {
-      half_block<Act, I, kVerify, kRow>(x + j, y + j, kRow ? ar + j : nullptr, kRow ? br + j : nullptr, a, b, pw,
-                                        diff);
-    }
+    for (; j + kBlock <= len; j += kBlock) half_block<Act, I, kVerify, kRow, kRes>(s, s2, j, y, pw, diff);
   } else {
     for (; j + kBlock <= len; j += kBlock) {
-      for (int64_t k = j; k < j + kBlock; ++k) one<Act, T, kVerify, kRow>(x, y, ar, br, a, b, k, p, diff);
+      for (int64_t k = j; k < j + kBlock; ++k) {
+        one<Act, T, kVerify, kRow, kRes>(x, ar, br, a, b, x2, ar2, br2, a2, b2, y, k, p, diff);
+      }
     }
   }
-  for (; j < len; ++j) one<Act, T, kVerify, kRow>(x, y, ar, br, a, b, j, p, diff);
+  for (; j < len; ++j) one<Act, T, kVerify, kRow, kRes>(x, ar, br, a, b, x2, ar2, br2, a2, b2, y, j, p, diff);
   return diff;
 }
 
+// A BatchNorm input with its terms, as given to the kernel: a whole tensor's data.
+template <typename T>
+struct Input {
+  const T* x;
+  const OpMath<T>* alpha;
+  const OpMath<T>* beta;
+
+  // From offset o: channel c's run (a, b fixed), or the row of channels from c.
+  Src<T> run(int64_t o, int64_t c) const { return {x + o, nullptr, nullptr, alpha[c], beta[c]}; }
+  Src<T> row(int64_t o, int64_t c) const { return {x + o, alpha + c, beta + c, 0, 0}; }
+};
+
 // Elements [begin, end) in memory order, split into stretches of one channel
 // (runs of `inner` elements) or rows of channels (inner == 1).
-template <typename Act, typename T, int I, bool kVerify>
-REPLAY_INLINE uint64_t body(const T* x, const OpMath<T>* alpha, const OpMath<T>* beta, T* y, int64_t inner,
-                            int64_t channels, int64_t begin, int64_t end, const P<Act, T>& params) {
+template <typename Act, typename T, int I, bool kVerify, bool kRes>
+REPLAY_INLINE uint64_t body(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t channels, int64_t begin,
+                            int64_t end, const P<Act, T>& params) {
   const P<Act, T> p = params;
   uint64_t diff = 0;
   int64_t o = begin;
   while (o < end) {
     if (inner == 1) {
       const int64_t c0 = o % channels, stop = std::min(end, o + channels - c0);
-      diff |= stretch<Act, T, I, kVerify, true>(x + o, y + o, alpha + c0, beta + c0, 0, 0, stop - o, p);
+      const Src<T> s2 = kRes ? in2.row(o, c0) : Src<T>{};
+      diff |= stretch<Act, T, I, kVerify, true, kRes>(in.row(o, c0), s2, y + o, stop - o, p);
       o = stop;
     } else {
       const int64_t k = o / inner, stop = std::min(end, (k + 1) * inner);
-      diff |= stretch<Act, T, I, kVerify, false>(x + o, y + o, nullptr, nullptr, alpha[k % channels],
-                                              beta[k % channels], stop - o, p);
+      const Src<T> s2 = kRes ? in2.run(o, k % channels) : Src<T>{};
+      diff |= stretch<Act, T, I, kVerify, false, kRes>(in.run(o, k % channels), s2, y + o, stop - o, p);
       o = stop;
     }
   }
   return diff;
 }
 
-template <typename Act, typename T, bool kVerify>
-using BodyFn = uint64_t (*)(const T*, const OpMath<T>*, const OpMath<T>*, T*, int64_t, int64_t, int64_t, int64_t,
-                            const P<Act, T>&);
+template <typename Act, typename T, bool kVerify, bool kRes>
+using BodyFn = uint64_t (*)(Input<T>, Input<T>, T*, int64_t, int64_t, int64_t, int64_t, const P<Act, T>&);
 
-template <typename Act, typename T, bool kVerify>
-uint64_t body_scalar(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c, int64_t begin,
-                     int64_t end, const P<Act, T>& p) {
-  return body<Act, T, kScalar, kVerify>(x, a, b, y, inner, c, begin, end, p);
+template <typename Act, typename T, bool kVerify, bool kRes>
+uint64_t body_scalar(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, int64_t begin, int64_t end,
+                     const P<Act, T>& p) {
+  return body<Act, T, kScalar, kVerify, kRes>(in, in2, y, inner, c, begin, end, p);
 }
 #ifdef REPLAY_X86
-template <typename Act, typename T, bool kVerify>
-REPLAY_AVX2 uint64_t body_avx2(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c,
-                               int64_t begin, int64_t end, const P<Act, T>& p) {
-  return body<Act, T, kAvx2, kVerify>(x, a, b, y, inner, c, begin, end, p);
+template <typename Act, typename T, bool kVerify, bool kRes>
+REPLAY_AVX2 uint64_t body_avx2(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, int64_t begin, int64_t end,
+                               const P<Act, T>& p) {
+  return body<Act, T, kAvx2, kVerify, kRes>(in, in2, y, inner, c, begin, end, p);
 }
-template <typename Act, typename T, bool kVerify>
-REPLAY_AVX512 uint64_t body_avx512(const T* x, const OpMath<T>* a, const OpMath<T>* b, T* y, int64_t inner, int64_t c,
-                                   int64_t begin, int64_t end, const P<Act, T>& p) {
-  return body<Act, T, kAvx512, kVerify>(x, a, b, y, inner, c, begin, end, p);
+template <typename Act, typename T, bool kVerify, bool kRes>
+REPLAY_AVX512 uint64_t body_avx512(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, int64_t begin,
+                                   int64_t end, const P<Act, T>& p) {
+  return body<Act, T, kAvx512, kVerify, kRes>(in, in2, y, inner, c, begin, end, p);
 }
 #endif
 
 // The kernel set in use (cpu_kernels()), where the CPU also has FMA (the vector
 // sets' targets include it); else the portable loop, whose std::fma is exact too.
-template <typename Act, typename T, bool kVerify>
-BodyFn<Act, T, kVerify> pick() {
+template <typename Act, typename T, bool kVerify, bool kRes>
+BodyFn<Act, T, kVerify, kRes> pick() {
 #ifdef REPLAY_X86
   static const bool fma = __builtin_cpu_supports("fma");
-  if (fma && cpu_kernels() == kAvx512) return &body_avx512<Act, T, kVerify>;
-  if (fma && cpu_kernels() == kAvx2) return &body_avx2<Act, T, kVerify>;
+  if (fma && cpu_kernels() == kAvx512) return &body_avx512<Act, T, kVerify, kRes>;
+  if (fma && cpu_kernels() == kAvx2) return &body_avx2<Act, T, kVerify, kRes>;
 #endif
-  return &body_scalar<Act, T, kVerify>;
+  return &body_scalar<Act, T, kVerify, kRes>;
 }
 
 ActArgs act_args(c10::ArrayRef<double> args) {
@@ -224,8 +267,9 @@ void bn_terms_cpu(const std::optional<at::Tensor>& weight, const std::optional<a
   });
 }
 
-bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const std::string& act,
-                c10::ArrayRef<double> args, const at::Tensor& y, bool verify) {
+bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& x2,
+                const at::Tensor& alpha2, const at::Tensor& beta2, const std::string& act, c10::ArrayRef<double> args,
+                const at::Tensor& y, bool verify) {
   const int64_t n = x.numel(), channels = x.size(1);
   const int64_t inner = channels == 1 ? n : x.stride(1);
   std::atomic<bool> differs{false};
@@ -234,22 +278,30 @@ bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& 
     TORCH_CHECK(static_cast<int64_t>(args.size()) == Act::kArgs, "relu_ext: ", act, " takes ", Act::kArgs,
                 " arguments, got ", args.size());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bn_act", [&] {
-      const auto p = Act::template params<scalar_t>(act_args(args));
-      const scalar_t* xp = x.const_data_ptr<scalar_t>();
-      const OpMath<scalar_t>* ap = alpha.const_data_ptr<OpMath<scalar_t>>();
-      const OpMath<scalar_t>* bp = beta.const_data_ptr<OpMath<scalar_t>>();
+      using T = scalar_t;
+      const auto p = Act::template params<T>(act_args(args));
+      const auto input = [](const at::Tensor& t, const at::Tensor& a, const at::Tensor& b) {
+        return t.defined() ? Input<T>{t.const_data_ptr<T>(), a.const_data_ptr<OpMath<T>>(),
+                                      b.const_data_ptr<OpMath<T>>()}
+                           : Input<T>{};
+      };
+      const Input<T> in = input(x, alpha, beta), in2 = input(x2, alpha2, beta2);
       // Verification only reads y; the kernel's pointer is non-const for the rebuild.
-      scalar_t* yp = const_cast<scalar_t*>(y.const_data_ptr<scalar_t>());
-      if (verify) {
-        const auto fn = pick<Act, scalar_t, true>();
+      T* yp = const_cast<T*>(y.const_data_ptr<T>());
+      const auto run = [&](auto verify_tag, auto res_tag) {
+        constexpr bool kVerify = decltype(verify_tag)::value, kRes = decltype(res_tag)::value;
+        const auto fn = pick<Act, T, kVerify, kRes>();
         at::parallel_for(0, n, kGrain, [&](int64_t b0, int64_t b1) {
-          if (!differs.load(std::memory_order_relaxed) && fn(xp, ap, bp, yp, inner, channels, b0, b1, p) != 0) {
-            differs.store(true, std::memory_order_relaxed);
-          }
+          if (kVerify && differs.load(std::memory_order_relaxed)) return;
+          if (fn(in, in2, yp, inner, channels, b0, b1, p) != 0) differs.store(true, std::memory_order_relaxed);
         });
+      };
+      using Yes = std::true_type;
+      using No = std::false_type;
+      if (verify) {
+        x2.defined() ? run(Yes{}, Yes{}) : run(Yes{}, No{});
       } else {
-        const auto fn = pick<Act, scalar_t, false>();
-        at::parallel_for(0, n, kGrain, [&](int64_t b0, int64_t b1) { fn(xp, ap, bp, yp, inner, channels, b0, b1, p); });
+        x2.defined() ? run(No{}, Yes{}) : run(No{}, No{});
       }
     });
   });

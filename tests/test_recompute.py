@@ -71,6 +71,34 @@ def test_replay_matches_pytorch(dtype, shape, layout, training, cpu_isa):
         assert_bitwise_equal(got, want, name)
 
 
+@pytest.mark.parametrize("shape,layout", SHAPES, ids=[f"{s}-{l}" for s, l in SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_replay_matches_pytorch(dtype, shape, layout, cpu_isa):
+    """act(bn(x) + bn2(x2)) (a ResNet block's downsample) and act(bn(x) + r) (r added as it is,
+    with the terms 1 and -0.0), as PyTorch computes `out += identity` then the activation."""
+    x, bn, w, b, mean, var, eps = _bn_case(dtype, shape, layout, True, affine=True)
+    x2, bn2, w2, b2, mean2, var2, _ = _bn_case(dtype, shape, layout, False, affine=True, seed=1)
+    alpha, beta = _ops.bn_terms(w, b, mean, var, True, eps, dtype)
+    alpha2, beta2 = _ops.bn_terms(w2, b2, mean2, var2, False, eps, dtype)
+    c = shape[1]
+    one, minus_zero = torch.ones(c, dtype=alpha.dtype), torch.full((c,), -0.0, dtype=alpha.dtype)
+    r = x2.clone()
+    # (No NaN: PyTorch's vector bfloat16 relu and hardsigmoid write it as all ones, their scalar
+    # tails as it comes, and the replay computes the latter everywhere; verification sees that.)
+    specials = [0.0, -0.0, float("inf"), -float("inf"), 1e-40, -1e-40, 3.0, -3.0]
+    torch.as_strided(r, (r.numel(),), (1,))[:8] = torch.tensor(specials).to(dtype)  # the first in memory
+    for second, terms, added in [(x2, (alpha2, beta2), bn2), (r, (one, minus_zero), r)]:
+        for name, (act, args, fn) in ACTS.items():
+            out = bn.clone()
+            out += added  # torchvision's BasicBlock / Bottleneck
+            want = fn(out)
+            assert bool(_ops.bn_act_verify(x, alpha, beta, act, args, want, second, *terms)), f"{name}: missed"
+            got = _ops.bn_act_rebuild(x, alpha, beta, act, args, second, *terms)
+            assert got.stride() == want.stride(), name
+            assert_bitwise_equal(got, want, name)
+            assert not bool(_ops.bn_act_verify(x, alpha, beta, act, args, want)), name  # (the add counts)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_verification_sees_one_changed_element(dtype, cpu_isa):
     x, bn, w, b, mean, var, eps = _bn_case(dtype, (4, 8, 16, 16), "contiguous", True, affine=True)
@@ -99,6 +127,11 @@ def test_ops_reject_bad_input():
         (lambda: _ops.bn_act_rebuild(torch.randn(8), a, b, "relu", []), "expected \\(N, C, ...\\)"),
         (lambda: _ops.bn_act_rebuild(x.int(), a, b, "relu", []), "x has dtype Int"),
         (lambda: _ops.bn_act_verify(x, a, b, "relu", [], x.transpose(2, 3)), "y must have x's dtype, device, shape and"),
+        (lambda: _ops.bn_act_rebuild(x, a, b, "relu", [], x.transpose(2, 3), a, b), "x2 must have x's dtype, device, sha"),
+        (lambda: _ops.bn_act_rebuild(x, a, b, "relu", [], x.double(), a, b), "x2 must have x's dtype"),
+        (lambda: _ops.bn_act_rebuild(x, a, b, "relu", [], x), "x2 needs its terms alpha2 and beta2"),
+        (lambda: _ops.bn_act_rebuild(x, a, b, "relu", [], None, a, b), "got them without x2"),
+        (lambda: _ops.bn_act_rebuild(x, a, b, "relu", [], x, a[:4], b), "alpha must be a contiguous Float tensor of s"),
         (lambda: _ops.bn_terms(None, None, torch.zeros(8), torch.ones(4), True, 1e-5, torch.float32),
          "var has shape \\[4\\]; expected \\[8\\]"),
         (lambda: _ops.bn_terms(None, None, torch.zeros(8), torch.ones(8), True, 1e-5, torch.int32),
@@ -118,7 +151,7 @@ def test_ops_are_not_differentiable():
         _ops.bn_act_rebuild(x, torch.ones(4), torch.zeros(4), "relu", [])
 
 
-@pytest.mark.parametrize("op", ["bn_terms", "bn_act_verify", "bn_act_rebuild"])
+@pytest.mark.parametrize("op", ["bn_terms", "bn_act_verify", "bn_act_rebuild", "residual_verify", "residual_rebuild"])
 def test_opcheck(op):
     x, bn, w, b, mean, var, eps = _bn_case(torch.float32, (2, 4, 5, 5), "contiguous", True, affine=True)
     alpha, beta = _ops.bn_terms(w, b, mean, var, True, eps, torch.float32)
@@ -126,8 +159,10 @@ def test_opcheck(op):
         "bn_terms": (w, b, mean, var, True, eps, torch.float32),
         "bn_act_verify": (x, alpha, beta, "leaky_relu", [0.1], F.leaky_relu(bn, 0.1)),
         "bn_act_rebuild": (x, alpha, beta, "hardtanh", [0.0, 6.0]),
+        "residual_verify": (x, alpha, beta, "relu", [], torch.relu(bn + bn), x, alpha, beta),
+        "residual_rebuild": (x, alpha, beta, "relu", [], x, alpha, beta),
     }[op]
-    torch.library.opcheck(getattr(_ops, op).default, args)
+    torch.library.opcheck(getattr(_ops, op.replace("residual", "bn_act")).default, args)
 
 
 # --- inside save_compact() ------------------------------------------------------------------
@@ -180,6 +215,78 @@ def test_training_step_is_bitwise_the_same(act, dtype):
     got = train_step(model, x, sc)
     assert_same_step(got, train_step(model, x, contextlib.nullcontext()))
     assert sc.replayed == 3 and sc.replay_misses == 0, sc.report()
+
+
+class _Residual(torch.nn.Module):
+    """Residual blocks as torchvision's BasicBlock adds them: `identity` is a max-pool output
+    (kept as it is by the next conv), a downsample BatchNorm's output, then three times the
+    previous block's output."""
+
+    def __init__(self, act: Callable[[], torch.nn.Module], dtype: torch.dtype, alpha: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        conv, bn = torch.nn.Conv2d, torch.nn.BatchNorm2d
+        self.stem = torch.nn.Sequential(conv(3, 16, 3, padding=1), bn(16), act(), torch.nn.MaxPool2d(2))
+        self.blocks = torch.nn.ModuleList([
+            torch.nn.Sequential(conv(16, 16, 3, padding=1), bn(16)),
+            torch.nn.Sequential(conv(16, 32, 3, stride=2, padding=1), bn(32)),
+            *(torch.nn.Sequential(conv(32, 32, 3, padding=1), bn(32)) for _ in range(3)),
+        ])
+        self.down = torch.nn.Sequential(conv(16, 32, 1, stride=2), bn(32))
+        self.acts = torch.nn.ModuleList([act() for _ in self.blocks])
+        self.head = torch.nn.Sequential(conv(32, 4, 1), torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 10))
+        self.alpha = alpha
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for i, (block, act) in enumerate(zip(self.blocks, self.acts)):
+            out = block(x)
+            out.add_(self.down(x) if i == 1 else x, alpha=self.alpha)
+            x = act(out)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", NETS)
+def test_residual_blocks_replay(act, dtype, monkeypatch):
+    """Each block output is replayed from what the graph keeps anyway, with its identity
+    rebuilt for it in at most one pass; the fourth block's identity would take two (a chain)
+    so it is compacted or kept, and the fifth replays from that; bitwise the same step."""
+    model = _Residual(NETS[act], dtype).train()
+    x = torch.randn(4, 3, 32, 32, dtype=dtype)
+    made = _recorded(monkeypatch)
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert (sc.replayed, sc.replay_misses) == (5, 0), sc.report()  # the stem's activation, blocks 1, 2, 3, 5
+    stem, b1, b2, b3, b5 = made
+    assert stem.x2 is None and isinstance(b1.x2, torch.Tensor) and b1.alpha2.eq(1).all()  # the max-pool output
+    assert isinstance(b2.x2, torch.Tensor) and b2.alpha2.ne(1).any()  # the downsample BatchNorm's input
+    assert b3.x2 is b2 and b3.depth == 2
+    # Block 4's output: compacted (ReLU's, about half zeros), else maybe kept as it is (too few zeros).
+    relu = act in ("nn.ReLU", "nn.ReLU-inplace", "relu_ext.ReLU")
+    assert isinstance(b5.x2, compact.Compacted if relu else (compact.Compacted, torch.Tensor)), type(b5.x2)
+
+
+def test_residual_add_with_another_alpha_is_not_replayed():
+    model = _Residual(NETS["nn.ReLU-inplace"], torch.float32, alpha=2.0).train()
+    x = torch.randn(4, 3, 32, 32)
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert (sc.replayed, sc.replay_misses) == (1, 0), sc.report()  # the stem's only
+
+
+def test_residual_identity_changed_after_forward_raises():
+    model = _Residual(NETS["nn.ReLU-inplace"], torch.float32).train()
+    pooled: list[torch.Tensor] = []
+    model.stem.register_forward_hook(lambda m, i, out: pooled.append(out))
+    with relu_ext.save_compact() as sc:
+        loss = model(torch.randn(4, 3, 32, 32)).sum()
+    assert sc.replayed == 5
+    with torch.no_grad():
+        pooled[0].add_(1.0)  # the first block's identity, which its recipe reads
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("case", ["channels_last", "eval_with_grads", "affine_false", "momentum_none",
@@ -291,6 +398,7 @@ def test_real_model_replays_and_trains_the_same():
     on, off = relu_ext.save_compact(), relu_ext.save_compact(recompute=False)
     assert_same_step(train_step(model, x, on), train_step(model, x, contextlib.nullcontext()))
     train_step(model, x, off)
-    # resnet18's ReLUs: 1 stem + 2 per block x 8 blocks; one per block follows the residual add.
-    assert (on.replayed, on.replay_misses) == (9, 0), on.report()
+    # resnet18's ReLUs: 1 stem + 2 per block x 8 blocks; one per block follows the residual add
+    # (identity: the max-pool output, a downsample BatchNorm's, the stage's first block's output).
+    assert (on.replayed, on.replay_misses, on.compacted) == (17, 0, 0), on.report()
     assert on.bytes_held < off.bytes_held < off.bytes_saved_for_backward

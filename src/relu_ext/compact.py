@@ -26,7 +26,10 @@ and two numbers per channel, from which it is rebuilt in backward exactly as
 PyTorch's CPU kernels computed it (``relu_ext::bn_terms`` /
 ``bn_act_rebuild``, csrc/replay_cpu.cpp). It is verified bit for bit against
 the real tensor when packed (``bn_act_verify``); what misses is compacted or
-kept as it is. The BatchNorm's saved tensors are read without unpacking them
+kept as it is. After a residual add (``relu(bn(c) + identity)``) the recipe
+also holds the add's other input: a second BatchNorm's input and terms, or
+what this context saved of ``identity`` for another node (see ``_replayed``).
+The BatchNorm's saved tensors are read without unpacking them
 (``SavedTensor.data``), and only when they are plain tensors or this
 context's own dense ones, so no other hook runs and nothing is held twice.
 """
@@ -93,11 +96,16 @@ def _activation_of(fn: Any) -> tuple[str, list[float]] | None:
 
 
 def _after_batchnorm(fn: Any) -> bool:
-    """Whether `fn` is an activation node whose input is a BatchNorm output the replay takes."""
+    """Whether `fn` is an activation node whose input is a BatchNorm output the replay takes, or
+    a residual add (``AddBackward0``, alpha 1) of one and another tensor (see ``_replayed``)."""
     if fn.name() not in _RELU_NODES and fn.name() not in _FAMILY_NODES:
         return False
     prev = fn.next_functions[0][0] if fn.next_functions else None
-    return prev is not None and prev.name() in _BN_NODES
+    if prev is None:
+        return False
+    if prev.name() in _BN_NODES:
+        return True
+    return prev.name() == "AddBackward0" and any(f is not None and f.name() in _BN_NODES for f, _ in prev.next_functions)
 
 
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
@@ -125,10 +133,11 @@ class _Shared:
     Unpacked again (retain_graph), it is rebuilt again each time.
     """
 
-    __slots__ = ("pending", "restored", "nbytes")
+    __slots__ = ("pending", "restored", "nbytes", "depth", "__weakref__")
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, depth: int = 1) -> None:
         self.nbytes = nbytes  # what it adds to the graph
+        self.depth = depth  # passes over a tensor that rebuild() makes
         self.pending = 0  # nodes that saved this and have not unpacked it yet
         self.restored: Tensor | None = None
 
@@ -164,7 +173,7 @@ class Compacted(_Shared):
 class _Dense:
     """A tensor saved as it is, with the version it had (the check PyTorch makes without hooks)."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor: Tensor) -> None:
         # Detached: the same data and version counter, without the grad_fn, so that
@@ -180,25 +189,48 @@ class _Dense:
         return (self.tensor,)
 
 
+# Node metadata key: output_nr -> a weak reference to what this context saved
+# for that output of the node (a _Dense or _Shared): a residual add's other
+# input (_kept_output). (Not the tensor: its Python object may be gone.)
+_KEPT = "relu_ext.save_compact.kept"
+
+
+def _note_kept(t: Tensor, packed: Any) -> None:
+    t.grad_fn.metadata.setdefault(_KEPT, {})[t.output_nr] = weakref.ref(packed)
+
+
 class Replayed(_Shared):
     """A saved activation output as a recipe: the BatchNorm input it was computed from
-    (held by the BatchNorm's node anyway), the BatchNorm's per-channel terms, the activation."""
+    (held by the BatchNorm's node anyway), the BatchNorm's per-channel terms, the activation;
+    after a residual add, also the add's other input with its terms: a second BatchNorm's
+    input, or (terms 1 and -0.0: added as it is) a tensor that other nodes keep as it is or
+    compacted or rebuilt in one pass (rebuilt for this rebuild, then dropped)."""
 
-    __slots__ = ("x", "version", "alpha", "beta", "act", "args")
+    __slots__ = ("x", "version", "alpha", "beta", "act", "args", "x2", "version2", "alpha2", "beta2")
 
-    def __init__(self, x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float]) -> None:
-        super().__init__(alpha.nbytes + beta.nbytes)
+    def __init__(self, x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float],
+                 second: tuple[Tensor | _Shared, Tensor, Tensor] | None = None) -> None:
+        x2, alpha2, beta2 = second if second is not None else (None, None, None)
+        super().__init__(sum(t.nbytes for t in (alpha, beta, alpha2, beta2) if t is not None),
+                         1 + (x2.depth if isinstance(x2, _Shared) else 0))
         self.x, self.version, self.alpha, self.beta, self.act, self.args = x, x._version, alpha, beta, act, args
+        self.x2, self.alpha2, self.beta2 = x2, alpha2, beta2
+        self.version2 = x2._version if isinstance(x2, Tensor) else None
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout (the BatchNorm input's)."""
-        _check_version(self.x, self.version, "relu_ext.save_compact rebuilds an activation output from this "
-                       "BatchNorm input, which changed after the forward")
-        return _ops.bn_act_rebuild(self.x, self.alpha, self.beta, self.act, self.args)
+        why = "relu_ext.save_compact rebuilds an activation output from this tensor, which changed after the forward"
+        _check_version(self.x, self.version, why)
+        x2 = self.x2
+        if isinstance(x2, _Shared):
+            x2 = x2.restored if x2.restored is not None else x2.rebuild()
+        elif x2 is not None:
+            _check_version(x2, self.version2, why)
+        return _ops.bn_act_rebuild(self.x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
 
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive beyond what the graph holds anyway (for memory accounting)."""
-        return self.alpha, self.beta
+        return tuple(t for t in (self.alpha, self.beta, self.alpha2, self.beta2) if t is not None)
 
 
 def _peek(saved: Any, unpack: Any) -> Tensor | None:
@@ -214,32 +246,88 @@ def _peek(saved: Any, unpack: Any) -> Tensor | None:
     return None
 
 
-def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
-    """`t` (an activation output after a BatchNorm) as a verified recipe, or None; and
-    whether a recipe was tried and missed verification."""
-    act = _activation_of(t.grad_fn)
-    bn = t.grad_fn.next_functions[0][0]
-    if act is None or t.device.type != "cpu":
-        return None, False
+def _like(x: Tensor | None, t: Tensor) -> bool:
+    return x is not None and x.dtype == t.dtype and x.shape == t.shape and x.stride() == t.stride()
+
+
+def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The input of BatchNorm node `bn` (laid out as `t`) and its terms for `t`'s dtype, or None."""
     x = _peek(bn._raw_saved_input, unpack)
-    if x is None or x.dtype != t.dtype or x.shape != t.shape or x.stride() != t.stride() or x.dim() < 2:
-        return None, False  # (t is dense, so x is too)
+    if not _like(x, t):
+        return None  # (t is dense, so x is too)
     training = bool(bn._saved_training)
     names = ("result1", "result2") if training else ("running_mean", "running_var")
     mean, var = (_peek(getattr(bn, f"_raw_saved_{n}"), unpack) for n in names)
     has_weight = bn._raw_saved_weight.data is not None  # (affine=False: none)
     weight = _peek(bn._raw_saved_weight, unpack) if has_weight else None
     if mean is None or var is None or (has_weight and weight is None):
-        return None, False
+        return None
     bias_fn = bn.next_functions[2][0] if len(bn.next_functions) > 2 else None
     bias = getattr(bias_fn, "variable", None)  # an AccumulateGrad's parameter; else none (or frozen: verified)
     alpha, beta = _ops.bn_terms(
         None if weight is None else weight.detach(), None if bias is None else bias.detach(), mean.detach(),
         var.detach(), training, float(bn._saved_eps), t.dtype)
-    x = x.detach()
-    if not bool(_ops.bn_act_verify(x, alpha, beta, act[0], act[1], t.detach())):
+    return x.detach(), alpha, beta
+
+
+def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, Tensor, Tensor, Tensor] | None:
+    """Output `output_nr` of node `fn` where this context saved it for another node: as it is
+    (a ResNet's max-pool output, kept by the next conv), or compacted or replayed in one pass
+    (a block's output, kept by the next block's conv). What the recipe reads, the terms that
+    add it as it is, and the tensor to verify with: what the recipe's rebuild will read."""
+    ref = fn.metadata.get(_KEPT, {}).get(output_nr)
+    packed = None if ref is None else ref()
+    if isinstance(packed, _Dense) and packed.tensor._version == packed.version:
+        source = now = packed.tensor
+    elif isinstance(packed, _Shared) and packed.depth == 1:
+        source, now = packed, packed.restored if packed.restored is not None else packed.rebuild()
+    else:
+        return None
+    if not _like(now, t):
+        return None
+    one = torch.ones(t.shape[1], dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+    return source, one, torch.full_like(one, -0.0), now  # x * 1 + -0.0 is x, -0.0 and NaN included
+
+
+def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
+    """`t` (an activation output after a BatchNorm, or after a residual add of one) as a
+    verified recipe, or None; and whether a recipe was tried and missed verification.
+
+    A residual add ``out += identity`` (torchvision's BasicBlock and Bottleneck) replays
+    where ``identity`` is a BatchNorm output too (the downsample's), or a tensor this
+    context saved for another node (``_kept_output``): as it is (stage 1's max-pool
+    output), or the previous block's output, compacted or a recipe rebuilt in one pass,
+    which the rebuild makes again and drops. Not longer chains: rebuilt in backward order,
+    each would rebuild its predecessors again, or hold them all. So in a stage's blocks
+    two recipes alternate with a compacted output."""
+    act = _activation_of(t.grad_fn)
+    if act is None or t.device.type != "cpu" or t.dim() < 2:
+        return None, False
+    prev = t.grad_fn.next_functions[0][0]
+    second = check = None  # the add's other input: what the recipe reads, what verification reads
+    if prev.name() in _BN_NODES:
+        first = _bn_source(prev, t, unpack)
+    else:  # AddBackward0 (see _after_batchnorm)
+        if prev._saved_alpha != 1:
+            return None, False
+        (a, a_nr), (b, b_nr) = prev.next_functions
+        if a is None or a.name() not in _BN_NODES:
+            (a, a_nr), (b, b_nr) = (b, b_nr), (a, a_nr)  # (the sum is symmetric)
+        if b is None:
+            return None, False
+        first = _bn_source(a, t, unpack)
+        if b.name() in _BN_NODES:
+            second = check = _bn_source(b, t, unpack)
+        else:
+            kept = _kept_output(b, b_nr, t)
+            second, check = (None, None) if kept is None else (kept[:3], (kept[3], *kept[1:3]))
+        if second is None:
+            return None, False
+    if first is None:
+        return None, False
+    if not bool(_ops.bn_act_verify(*first, act[0], act[1], t.detach(), *(check or ()))):
         return None, True
-    return Replayed(x, alpha, beta, act[0], act[1]), False
+    return Replayed(*first, act[0], act[1], second), False
 
 
 def _compacted(t: Tensor, min_saving: float) -> Compacted | None:
@@ -376,7 +464,10 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                         for dead in [k for k, r in seen.items() if r() is None]:
                             del seen[dead]
                         prune_at[0] = 2 * len(seen) + 1024
-                return _Dense(t)
+                dense = _Dense(t)
+                if recompute and t.grad_fn is not None and why == "not_activation":
+                    _note_kept(t, dense)
+                return dense
             hit = cache.get(t)
             if hit is None or hit[0] != t._version:
                 fn, packed, missed = t.grad_fn, None, False
@@ -388,6 +479,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                         packed = _compacted(t, min_saving)
                 hit = (t._version, packed)
                 cache[t] = hit  # counted again when changed in place: a second form is held
+                if recompute and packed is not None:
+                    _note_kept(t, packed)
                 stats.replay_misses += missed
                 if isinstance(packed, Replayed):
                     stats.replayed += 1
@@ -400,7 +493,10 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                 else:
                     stats.keep("too_few_zeros" if zeros else "not_replayed", t)
             if hit[1] is None:
-                return _Dense(t)
+                dense = _Dense(t)
+                if recompute:
+                    _note_kept(t, dense)
+                return dense
             hit[1].pending += 1
             return hit[1]
 

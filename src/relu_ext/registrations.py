@@ -50,12 +50,14 @@ def _bn_terms_fake(weight: Tensor | None, bias: Tensor | None, mean: Tensor, var
 
 
 @torch.library.register_fake("relu_ext::bn_act_verify")
-def _bn_act_verify_fake(x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float], y: Tensor) -> Tensor:
+def _bn_act_verify_fake(x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float], y: Tensor,
+                        x2: Tensor | None = None, alpha2: Tensor | None = None, beta2: Tensor | None = None) -> Tensor:
     return x.new_empty((), dtype=torch.bool)
 
 
 @torch.library.register_fake("relu_ext::bn_act_rebuild")
-def _bn_act_rebuild_fake(x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float]) -> Tensor:
+def _bn_act_rebuild_fake(x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float], x2: Tensor | None = None,
+                         alpha2: Tensor | None = None, beta2: Tensor | None = None) -> Tensor:
     return x.new_empty_strided(x.shape, x.stride())
 
 
