@@ -373,6 +373,24 @@ def test_batchnorm_input_changed_after_forward_raises():
         loss.backward()
 
 
+def test_residual_identity_whose_recipe_went_stale_is_not_read():
+    """An identity kept as a recipe whose BatchNorm input changed in place since: the next
+    block's output is not rebuilt from it (the forward goes on), and backward raises
+    PyTorch's in-place error, as it does without hooks."""
+    torch.manual_seed(0)
+    bn1, bn2, bn3 = (torch.nn.BatchNorm2d(8) for _ in range(3))
+    c1, c2, c3 = (torch.randn(2, 8, 16, 16, requires_grad=True) * 1 for _ in range(3))
+    with relu_ext.save_compact() as sc:
+        h = torch.relu(bn1(c1) + bn2(c2))  # saved by its ReLU node as a recipe
+        with torch.no_grad():
+            c1.add_(1.0)
+        y = torch.relu(bn3(c3) + h)
+        loss = (y * torch.randn(8, 16, 16)).sum()
+    assert (sc.replayed, sc.replay_misses) == (1, 0), sc.report()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_saved_tensors_of_other_hooks_are_not_unpacked():
     """A BatchNorm whose tensors other hooks packed (here: outside save_compact, under hooks
     that count their unpacks) is not replayed, and those hooks' unpack never runs for it."""

@@ -144,6 +144,10 @@ class _Shared:
     def rebuild(self) -> Tensor:
         raise NotImplementedError
 
+    def fresh(self) -> bool:
+        """Whether rebuild() would succeed: what it reads has not changed since."""
+        return True
+
     def restore(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
         t = self.restored if self.restored is not None else self.rebuild()
@@ -228,6 +232,12 @@ class Replayed(_Shared):
             _check_version(x2, self.version2, why)
         return _ops.bn_act_rebuild(self.x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
 
+    def fresh(self) -> bool:
+        """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
+        x2 = self.x2
+        return self.x._version == self.version and (
+            x2.fresh() if isinstance(x2, _Shared) else x2 is None or x2._version == self.version2)
+
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive beyond what the graph holds anyway (for memory accounting)."""
         return tuple(t for t in (self.alpha, self.beta, self.alpha2, self.beta2) if t is not None)
@@ -279,7 +289,7 @@ def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, 
     packed = None if ref is None else ref()
     if isinstance(packed, _Dense) and packed.tensor._version == packed.version:
         source = now = packed.tensor
-    elif isinstance(packed, _Shared) and packed.depth == 1:
+    elif isinstance(packed, _Shared) and packed.depth == 1 and packed.fresh():  # (else: the in-place error, in backward)
         source, now = packed, packed.restored if packed.restored is not None else packed.rebuild()
     else:
         return None
