@@ -268,6 +268,38 @@ def test_residual_blocks_replay(act, dtype, monkeypatch):
     assert isinstance(b5.x2, compact.Compacted if relu else (compact.Compacted, torch.Tensor)), type(b5.x2)
 
 
+@pytest.mark.parametrize("where", ["retain_graph", "checkpoint"])
+def test_residual_blocks_replay_twice_and_under_checkpoint(where):
+    """Recipes that read another recipe or a compacted tensor, rebuilt again (double backward,
+    then backward with retain_graph twice), and inside a checkpointed forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _Residual(NETS["nn.ReLU"], torch.float64).train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64, requires_grad=True)
+
+    def run(ctx: Any) -> list[torch.Tensor]:
+        def forward() -> torch.Tensor:
+            with ctx:  # (inside the checkpoint: its recomputation runs under it too)
+                return model(x)
+
+        for p in (*model.parameters(), x):
+            p.grad = None
+        if where == "checkpoint":
+            loss = checkpoint(forward, use_reentrant=False).square().sum()
+        else:
+            (gx,) = torch.autograd.grad(forward().sum(), x, create_graph=True)
+            loss = gx.square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    sc = relu_ext.save_compact()
+    got, want = run(sc), run(contextlib.nullcontext())
+    assert len(got) == len(want) > 10 and sc.replayed >= 5 and sc.replay_misses == 0, sc.report()
+    for a, b in zip(got, want):
+        assert_bitwise_equal(a, b)
+
+
 def test_residual_add_with_another_alpha_is_not_replayed():
     model = _Residual(NETS["nn.ReLU-inplace"], torch.float32, alpha=2.0).train()
     x = torch.randn(4, 3, 32, 32)
