@@ -488,6 +488,10 @@ def test_held_bytes_count_what_the_graph_saves():
     direct = models.saved_bytes(lambda: real.loss_of(model, x), list(model.parameters()) + [x])
     assert real.held_bytes(model, x, "nn.ReLU") == direct
     assert real.held_bytes(model, x, "nn.ReLU+compact") < 0.9 * direct
+    counts: dict[str, int] = {}
+    real.held_bytes(model, x, "install+recompute", counts)
+    assert set(counts) == {"replayed", "replay_misses", "compacted", "kept"}
+    assert counts["replayed"] >= 16 and counts["replay_misses"] == 0 and counts["kept"] > 0  # (64x64: one is small)
 
 
 def test_compiled_section(monkeypatch):

@@ -216,9 +216,10 @@ def installing(config: str) -> Callable[[], Any]:
     return relu_ext.install if config.startswith("install") else contextlib.nullcontext
 
 
-def held_bytes(model: nn.Module, inputs: Any, config: str) -> int:
+def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int] | None = None) -> int:
     """Bytes of the distinct storages the graph holds after forward (parameters and inputs
-    aside), counted from what the saved-tensor hooks keep: exact, whatever the allocator."""
+    aside), counted from what the saved-tensor hooks keep: exact, whatever the allocator.
+    `counts` gets what a configuration's save_compact() did (replayed, replay_misses, compacted, kept)."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
     seen: dict[int, int] = {}
@@ -244,6 +245,9 @@ def held_bytes(model: nn.Module, inputs: Any, config: str) -> int:
     with installing(config)(), hooks:
         loss = loss_of(model, inputs)
     del loss
+    if inner is not None and counts is not None:
+        counts.update(replayed=inner.replayed, replay_misses=inner.replay_misses, compacted=inner.compacted,
+                      kept=inner.kept)
     return sum(seen.values())
 
 
@@ -334,10 +338,10 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
             model, inputs = build(name, dtype, device, quick, shapes.get(name))
             key = f"{name}/{peers.dtype_name(dtype)}"
             run_as = {config: prepare(model, config, backend) for config in configs}
-            held = {}
+            held, counts = {}, {config: {} for config in configs}
             for config in configs:
                 progress.step(f"memory held {key} {config}")
-                held[config] = held_bytes(run_as[config], inputs, config)
+                held[config] = held_bytes(run_as[config], inputs, config, counts[config])
             steps = {config: step_fn(run_as[config], inputs, config) for config in configs}
             samples = timing.interleave(steps, device, rounds, budget_s, lambda c: progress.step(f"memory time {key} {c}"))
             results = {}
@@ -345,6 +349,8 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
                 r = timing.summarize(samples[config], max_spread)
                 r.update(held_bytes=held[config], held_vs_torch=held[config] / held[base],
                          vs_torch=timing.paired(samples[config], samples[base]), **peaks[config][key])
+                if counts[config]:
+                    r["save_compact"] = counts[config]
                 first = peaks[base][key]["peak_bytes"]
                 r["peak_vs_torch"] = r["peak_bytes"] / first if first and r["peak_bytes"] is not None else None
                 results[config] = r
