@@ -10,6 +10,9 @@
 //   invstd = 1 / sqrt(running_var + eps)                  (eval; training keeps save_invstd)
 //   bn = T(fma(x, alpha, beta))                           (opmath, rounded to x's dtype)
 //   y = act(bn)                                           (the trait's CPU forward)
+// or, after a residual add (`out += identity`, x2 given with its own terms):
+//   y = act(T(bn + T(fma(x2, alpha2, beta2))))            (the sum in opmath, as PyTorch's add;
+//                                                         alpha2 = 1, beta2 = -0.0 add x2 as it is)
 // PyTorch's kernels are built with FMA contraction for AVX2 / AVX-512; where
 // it ran otherwise (another ISA, a layout its fast paths do not take) the
 // replay differs, which the pack-time verification sees (bn_act_verify):
