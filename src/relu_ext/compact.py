@@ -148,9 +148,13 @@ class _Shared:
         """Whether rebuild() would succeed: what it reads has not changed since."""
         return True
 
+    def current(self) -> Tensor:
+        """The saved tensor: the one restored for pending unpacks, else rebuilt (counts no unpack)."""
+        return self.restored if self.restored is not None else self.rebuild()
+
     def restore(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
-        t = self.restored if self.restored is not None else self.rebuild()
+        t = self.current()
         self.pending -= 1
         self.restored = t if self.pending > 0 else None
         return t
@@ -227,7 +231,7 @@ class Replayed(_Shared):
         _check_version(self.x, self.version, why)
         x2 = self.x2
         if isinstance(x2, _Shared):
-            x2 = x2.restored if x2.restored is not None else x2.rebuild()
+            x2 = x2.current()
         elif x2 is not None:
             _check_version(x2, self.version2, why)
         return _ops.bn_act_rebuild(self.x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
@@ -290,7 +294,7 @@ def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, 
     if isinstance(packed, _Dense) and packed.tensor._version == packed.version:
         source = now = packed.tensor
     elif isinstance(packed, _Shared) and packed.depth == 1 and packed.fresh():  # (else: the in-place error, in backward)
-        source, now = packed, packed.restored if packed.restored is not None else packed.rebuild()
+        source, now = packed, packed.current()
     else:
         return None
     if not _like(now, t):
