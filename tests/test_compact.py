@@ -258,6 +258,106 @@ def test_what_is_not_a_relu_output_is_saved_as_usual(monkeypatch):
     z.backward()
 
 
+# --- integer tensors (max-pool indices): narrowed ----------------------------------------
+
+
+class _SavesInts(torch.autograd.Function):
+    """Saves integer tensors it makes itself, which the graph alone then holds (as max-pool
+    indices are), or the ones it is given; records what its backward gets back."""
+
+    restored: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, make: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
+        ctx.save_for_backward(*make())
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        _SavesInts.restored.extend(ctx.saved_tensors)
+        return g, None
+
+
+# (source dtype, value range) -> the type it is kept in; None: no narrower type holds it.
+_RANGES = {
+    (torch.int64, 0, 255): torch.uint8,
+    (torch.int64, -128, 127): torch.int8,
+    (torch.int64, -32768, 32767): torch.int16,
+    (torch.int64, 0, 65535): torch.uint16,
+    (torch.int64, -(2**31), 2**31 - 1): torch.int32,
+    (torch.int64, -(2**31) - 1, 0): None,
+    (torch.int64, 0, 2**31): None,
+    (torch.int32, -5, 40000): None,
+    (torch.int32, 0, 40000): torch.uint16,
+    (torch.int16, -128, 200): None,
+    (torch.int16, 0, 200): torch.uint8,
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", _RANGES, ids=lambda c: f"{str(c[0])[6:]}:{c[1]}..{c[2]}")
+def test_integer_tensor_narrowed_bit_for_bit(case, device):
+    """Kept in the narrowest type that holds its values (both ends of the range present), widened back
+    bit for bit in its own layout (channels_last, then permuted); in no narrower type, kept as it is."""
+    dtype, lo, hi = case
+    g = torch.Generator().manual_seed(3)
+    values = torch.randint(lo, hi + 1, (2, 5, 33, 17), generator=g, dtype=torch.int64)
+    values.view(-1)[[7, 501]] = torch.tensor([lo, hi])
+    values = values.to(dtype).contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).to(device)
+    expect = values.clone(memory_format=torch.preserve_format)
+    x = torch.randn(8, device=device, requires_grad=True)
+    _SavesInts.restored = []
+    with relu_ext.save_compact() as sc:
+        out = _SavesInts.apply(x, lambda: [values.clone(memory_format=torch.preserve_format)])
+    narrow = _RANGES[case]
+    assert (sc.narrowed, sc.kept) == ((1, 0) if narrow is not None else (0, 1))  # (x: saved by none)
+    held = values.numel() * (narrow.itemsize if narrow is not None else dtype.itemsize)
+    assert sc.bytes_saved_for_backward == values.nbytes and sc.bytes_held == held
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()  # retain_graph: widened again
+    assert len(_SavesInts.restored) == 2
+    for got in _SavesInts.restored:
+        assert got.dtype == dtype and got.stride() == expect.stride() and torch.equal(got, expect)
+
+
+def test_integer_tensor_held_elsewhere_is_kept_as_it_is():
+    """A narrowed copy of a tensor that something else keeps alive adds bytes: max-pool indices the
+    caller asked for (return_indices=True), an embedding's ids, a tensor saved twice (once narrowed)."""
+    x = torch.randn(2, 4, 64, 64, requires_grad=True)
+    ids = torch.randint(0, 100, (8192,))
+    emb = torch.nn.Embedding(100, 4)
+
+    def step(ctx: Any) -> tuple[list[torch.Tensor], Any]:
+        x.grad = emb.weight.grad = None
+        _SavesInts.restored = []
+        with ctx as sc:
+            pooled = F.max_pool2d(x * 1, 3, 2)  # indices: the graph's alone
+            pooled2, indices = F.max_pool2d(x * 2, 2, 2, return_indices=True)
+            twice = torch.arange(4096 * 3)
+            loss = pooled.sum() + (pooled2 * 3).sum() + emb(ids).sum()
+            loss = loss + _SavesInts.apply(x, lambda: [twice, twice]).sum()
+            del twice
+        loss.backward()
+        return [x.grad, emb.weight.grad, *_SavesInts.restored], sc
+
+    got, sc = step(relu_ext.save_compact())
+    want, _ = step(contextlib.nullcontext())
+    assert sc.narrowed == 2 and sc.kept_by_reason["not_activation"] == 4  # x * 1, x * 2, indices, ids
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b) if a.dtype == torch.int64 else assert_bitwise_equal(a, b) is None
+
+
+def test_integer_tensor_changed_in_place_raises_pytorchs_error():
+    x = torch.randn(2, 4, 64, 64, requires_grad=True)
+    for ctx in (relu_ext.save_compact(), contextlib.nullcontext()):
+        with ctx:
+            pooled, indices = F.max_pool2d(x * 1, 2, 2, return_indices=True)
+            indices.add_(0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            pooled.sum().backward()
+
+
 def _cnn(act: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -387,36 +487,27 @@ def test_bad_min_saving():
         relu_ext.save_compact(min_saving=1.0)
 
 
-def _held_bytes(model: torch.nn.Module, x: torch.Tensor, compacted: bool, monkeypatch) -> int:
+def _held_bytes(model: torch.nn.Module, x: torch.Tensor, compacted: bool) -> int:
     """Bytes of the distinct storages the autograd graph holds after forward, parameters
     aside, counted from what the saved-tensor hooks keep (allocator-independent)."""
-    held: list[torch.Tensor] = []
+    packed: list[Any] = []
     if compacted:
-        real_dense, real_compacted = compact._Dense.__init__, compact.Compacted.__init__
-
-        def dense(self: Any, t: torch.Tensor) -> None:
-            real_dense(self, t)
-            held.append(self.tensor)
-
-        def compacted(self: Any, values: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> None:
-            real_compacted(self, values, mask, like)
-            held.extend([values, mask])
-
-        monkeypatch.setattr(compact._Dense, "__init__", dense)
-        monkeypatch.setattr(compact.Compacted, "__init__", compacted)
         ctx = relu_ext.save_compact()
+        pack = ctx.pack_hook
+        ctx.pack_hook = lambda t: packed.append(pack(t)) or packed[-1]
     else:
-        ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t)
+        ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t)
     torch.manual_seed(1)
     with ctx:
-        model(x)
-    monkeypatch.undo()
+        out = model(x)
+    held = [t for p in packed for t in ((p,) if isinstance(p, torch.Tensor) else p.held())]  # (after the exit)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    del out
     return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
-def test_real_model_holds_less_and_trains_the_same(monkeypatch):
+def test_real_model_holds_less_and_trains_the_same():
     """resnet18 (in-place ReLUs, then conv / max-pool / residual add): bitwise the same
     step, and less held by its graph."""
     tv = pytest.importorskip("torchvision")
@@ -424,5 +515,5 @@ def test_real_model_holds_less_and_trains_the_same(monkeypatch):
     model = tv.models.resnet18(weights=None).train()
     x = torch.randn(2, 3, 64, 64)
     assert_same_step(train_step(model, x, relu_ext.save_compact()), train_step(model, x, contextlib.nullcontext()))
-    plain, small = _held_bytes(model, x, False, monkeypatch), _held_bytes(model, x, True, monkeypatch)
+    plain, small = _held_bytes(model, x, False), _held_bytes(model, x, True)
     assert small < 0.9 * plain, (small, plain)

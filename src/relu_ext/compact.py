@@ -247,6 +247,57 @@ class Replayed(_Shared):
         return tuple(t for t in (self.alpha, self.beta, self.alpha2, self.beta2) if t is not None)
 
 
+# Integer types a saved integer tensor may be kept in, narrowest first.
+_NARROWER = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32)
+
+
+class Narrowed(_Shared):
+    """A saved integer tensor (max-pool indices, gather indices) kept in the narrowest integer
+    type that holds all its values, and widened back for backward, bit for bit, in its own layout.
+
+    Until the context exits it holds the tensor itself: only then is it known whether the graph
+    is its only holder (max-pool indices: yes; a user's token ids: no, and a narrowed copy would
+    add bytes, not save them). ``settle()`` decides then."""
+
+    __slots__ = ("tensor", "version", "dtype", "narrow")
+
+    def __init__(self, t: Tensor) -> None:
+        super().__init__(t.nbytes)
+        self.tensor: Tensor | None = t
+        self.version, self.dtype, self.narrow = t._version, t.dtype, None
+
+    def settle(self) -> bool:
+        """Keep the narrowed copy instead of the tensor where that is exact and frees it; whether it did."""
+        t = self.tensor
+        if t is None or t._version != self.version:  # (changed in place: restore() raises PyTorch's error)
+            return False
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        bits = torch.iinfo(t.dtype).bits
+        fits = [d for d in _NARROWER if torch.iinfo(d).bits < bits and torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
+        if not fits:
+            return False
+        narrow = t.to(fits[0])  # (preserve_format: a dense tensor keeps its strides)
+        alive = weakref.ref(t)
+        self.tensor = t = None
+        self.tensor = alive()  # (a tensor held elsewhere, in Python or C++, keeps its Python object alive)
+        if self.tensor is not None:
+            return False
+        self.narrow, self.nbytes = narrow, narrow.nbytes
+        return True
+
+    def rebuild(self) -> Tensor:
+        """The saved tensor, bit for bit, in its own layout."""
+        if self.tensor is not None:
+            _check_version(self.tensor, self.version, "checked by relu_ext.save_compact, which saved it as it was")
+            return self.tensor
+        assert self.narrow is not None
+        return self.narrow.to(self.dtype)
+
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting)."""
+        return (self.tensor,) if self.tensor is not None else (self.narrow,)
+
+
 def _peek(saved: Any, unpack: Any) -> Tensor | None:
     """The tensor a node saved, read without unpacking it: a tensor saved with no hooks,
     or one this context saved as it is; None for anything else (compacted, or packed
@@ -376,13 +427,14 @@ _REASONS = {
 class _Stats:
     """What a save_compact's pack hook did (kept apart from the context: the hook holds this, not the context)."""
 
-    __slots__ = ("compacted", "replayed", "replay_misses", "kept_by_reason", "compacted_bytes", "compacted_held",
-                 "replayed_bytes", "replayed_held", "kept_bytes")
+    __slots__ = ("compacted", "replayed", "replay_misses", "narrowed", "kept_by_reason", "compacted_bytes",
+                 "compacted_held", "replayed_bytes", "replayed_held", "narrowed_bytes", "narrowed_held", "kept_bytes")
 
     def __init__(self) -> None:
-        self.compacted = self.replayed = self.replay_misses = 0
+        self.compacted = self.replayed = self.replay_misses = self.narrowed = 0
         self.kept_by_reason = dict.fromkeys(_REASONS, 0)
         self.compacted_bytes = self.compacted_held = self.replayed_bytes = self.replayed_held = self.kept_bytes = 0
+        self.narrowed_bytes = self.narrowed_held = 0
 
     def keep(self, reason: str, t: Tensor) -> None:
         """Count `t`, saved as it is for `reason`."""
@@ -464,9 +516,19 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         prune_at = [1024]
         stats = self._stats = _Stats()
         kept_by_reason = stats.kept_by_reason
+        # Integer tensors to narrow when the context exits (settle()): id -> its Narrowed,
+        # which holds the tensor until then (so the id stays its own).
+        ints = self._ints = {}
 
         def pack(t: Tensor) -> Any:
             why = _why_kept(t, recompute)
+            if why == "not_activation" and _narrowable(t):
+                packed = ints.get(id(t))
+                if packed is None or packed.version != t._version:
+                    packed = ints[id(t)] = Narrowed(t)
+                    stats.keep(why, t)  # (until settled)
+                packed.pending += 1
+                return packed
             if why is not None:
                 key = id(t)
                 ref = seen.get(key)
@@ -523,6 +585,20 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         return self
 
+    def __exit__(self, *args: object) -> None:
+        super().__exit__(*args)
+        st = self._stats
+        with torch.no_grad():
+            for packed in self._ints.values():
+                if packed.settle():
+                    full = packed.narrow.numel() * packed.dtype.itemsize
+                    st.kept_by_reason["not_activation"] -= 1
+                    st.kept_bytes -= full
+                    st.narrowed += 1
+                    st.narrowed_bytes += full
+                    st.narrowed_held += packed.nbytes
+        self._ints.clear()
+
     @property
     def compacted(self) -> int:
         """Distinct tensors saved for backward that were kept compacted."""
@@ -539,6 +615,11 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         return self._stats.replay_misses
 
     @property
+    def narrowed(self) -> int:
+        """Distinct integer tensors saved for backward (max-pool indices, ...) kept in a narrower integer type."""
+        return self._stats.narrowed
+
+    @property
     def kept(self) -> int:
         """Distinct tensors saved for backward as they are (``kept_by_reason`` says why)."""
         return sum(self._stats.kept_by_reason.values())
@@ -551,18 +632,20 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     @property
     def bytes_saved_for_backward(self) -> int:
         """Bytes of the distinct tensors saved for backward: what the graph would hold without the hooks."""
-        return self._stats.compacted_bytes + self._stats.replayed_bytes + self._stats.kept_bytes
+        st = self._stats
+        return st.compacted_bytes + st.replayed_bytes + st.narrowed_bytes + st.kept_bytes
 
     @property
     def bytes_held(self) -> int:
         """Bytes the graph holds for them: tensors kept as they are, the compacted ones' values and bitmaps,
-        the recipes' per-channel terms."""
-        return self._stats.compacted_held + self._stats.replayed_held + self._stats.kept_bytes
+        the recipes' per-channel terms, the narrowed integer tensors."""
+        st = self._stats
+        return st.compacted_held + st.replayed_held + st.narrowed_held + st.kept_bytes
 
     def report(self) -> str:
         """What the hooks did, in words (see the class documentation)."""
         st, total, held = self._stats, self.bytes_saved_for_backward, self.bytes_held
-        n = self.replayed + self.compacted + self.kept
+        n = self.replayed + self.compacted + self.narrowed + self.kept
         share = f" ({100 * held / total:.1f}%)" if total else ""
         why = ", ".join(f"{k} {_REASONS[r]}" for r, k in st.kept_by_reason.items() if k)
         return "\n".join([
@@ -573,6 +656,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                f"miss{'es' * (st.replay_misses != 1)}"] if st.replayed or st.replay_misses else []),
             f"  compacted: {st.compacted} tensor{'s' * (st.compacted != 1)}, {_size(st.compacted_bytes)} held in "
             f"{_size(st.compacted_held)}",
+            *([f"  narrowed: {st.narrowed} integer tensor{'s' * (st.narrowed != 1)}, {_size(st.narrowed_bytes)} "
+               f"held in {_size(st.narrowed_held)} (max-pool indices and the like, in a narrower integer type)"]
+              if st.narrowed else []),
             f"  kept as they are: {self.kept} tensor{'s' * (self.kept != 1)}, {_size(st.kept_bytes)}"
             + (f": {why}" if why else ""),
         ])
@@ -580,7 +666,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     def __repr__(self) -> str:
         return (
             f"<relu_ext.save_compact min_saving={self.min_saving} recompute={self.recompute} replayed={self.replayed} "
-            f"compacted={self.compacted} kept={self.kept} "
+            f"compacted={self.compacted} narrowed={self.narrowed} kept={self.kept} "
             f"bytes_saved_for_backward={self.bytes_saved_for_backward} bytes_held={self.bytes_held}>"
         )
 
@@ -605,6 +691,18 @@ def _why_kept(t: Tensor, recompute: bool) -> str | None:
     if not _is_dense(t):
         return "unsupported"
     return None
+
+
+def _narrowable(t: Tensor) -> bool:
+    """Whether `t` is an integer tensor that may be kept narrower (see Narrowed)."""
+    return (
+        t.dtype in (torch.int64, torch.int32, torch.int16)
+        and type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and t.device.type in ("cpu", "cuda")
+        and t.numel() >= _MIN_NUMEL
+        and _is_dense(t)
+    )
 
 
 def _is_dense(t: Tensor) -> bool:

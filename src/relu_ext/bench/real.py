@@ -219,7 +219,8 @@ def installing(config: str) -> Callable[[], Any]:
 def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int] | None = None) -> int:
     """Bytes of the distinct storages the graph holds after forward (parameters and inputs
     aside), counted from what the saved-tensor hooks keep: exact, whatever the allocator.
-    `counts` gets what a configuration's save_compact() did (replayed, replay_misses, compacted, kept)."""
+    `counts` gets what a configuration's save_compact() did (replayed, replay_misses, compacted, narrowed,
+    kept)."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
     seen: dict[int, int] = {}
@@ -231,23 +232,22 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
                 seen[s.data_ptr()] = s.nbytes()
 
     inner = saving(config)
+    packed: list[Any] = []
     if inner is not None:
-
-        def pack(t: Tensor) -> Any:
-            packed = inner.pack_hook(t)
-            record(packed.held())
-            return packed
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, inner.unpack_hook)
+        pack = inner.pack_hook
+        inner.pack_hook = lambda t: packed.append(pack(t)) or packed[-1]
+        hooks = inner  # (its exit settles what it keeps: counted after it)
     else:
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: record((t,)) or t, lambda t: t)
     torch.manual_seed(1)
     with installing(config)(), hooks:
         loss = loss_of(model, inputs)
-    del loss
+    for p in packed:
+        record(p.held())
+    del loss, packed
     if inner is not None and counts is not None:
         counts.update(replayed=inner.replayed, replay_misses=inner.replay_misses, compacted=inner.compacted,
-                      kept=inner.kept)
+                      narrowed=inner.narrowed, kept=inner.kept)
     return sum(seen.values())
 
 
