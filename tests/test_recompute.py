@@ -268,13 +268,132 @@ def test_residual_blocks_replay(act, dtype, monkeypatch):
     assert isinstance(b5.x2, compact.Compacted if relu else (compact.Compacted, torch.Tensor)), type(b5.x2)
 
 
+class _DenseBlocks(torch.nn.Module):
+    """Dense blocks as torchvision's DenseNet builds them: each layer concatenates the block's input
+    and every earlier layer's output, then BatchNorm -> activation -> conv; then the block's whole
+    concatenation goes to a transition (BatchNorm -> activation -> conv -> average pool), the last
+    block's to the head (BatchNorm -> activation -> conv -> linear)."""
+
+    def __init__(self, act: Callable[[], torch.nn.Module], dtype: torch.dtype, layers: int = 4, growth: int = 4,
+                 dim: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        conv, bn = torch.nn.Conv2d, torch.nn.BatchNorm2d
+        self.stem = conv(3, 8, 3, padding=1)
+        self.blocks = torch.nn.ModuleList([
+            torch.nn.ModuleList([torch.nn.Sequential(bn(c + growth * i), act(), conv(c + growth * i, growth, 3, padding=1))
+                                 for i in range(layers)])
+            for c in (8, 8)
+        ])
+        wide = 8 + growth * layers
+        self.transition = torch.nn.Sequential(bn(wide), act(), conv(wide, 8, 1), torch.nn.AvgPool2d(2))
+        self.head = torch.nn.Sequential(bn(wide), act(), conv(wide, 4, 1), torch.nn.Flatten(),
+                                        torch.nn.Linear(4 * 16 * 16, 10))  # (for 32 x 32 inputs)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for i, block in enumerate(self.blocks):
+            features = [x]
+            for layer in block:
+                features.append(layer(torch.cat(features, 1)))
+            x = torch.cat(features, 1)
+            x = self.transition(x) if i == 0 else x
+        return self.head(x)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", NETS)
+def test_dense_blocks_keep_concatenations_in_pieces(act, dtype, layout):
+    """Each block's concatenations after its first are kept as the one before plus what they add,
+    the activations after them replayed from them; bitwise the same step."""
+    model = _DenseBlocks(NETS[act], dtype).train()
+    x = _layout(torch.randn(2, 3, 32, 32, dtype=dtype), layout)
+    if layout == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    # Per block: layers 2-4 and the block's whole concatenation; every BatchNorm -> activation output.
+    assert (sc.concatenated, sc.replayed, sc.replay_misses) == (8, 10, 0), sc.report()
+    assert sc.kept_by_reason["not_activation"] > 0  # (the first of each block, as it is, among others)
+
+
+def test_concatenation_pieces_come_back_bit_for_bit():
+    """Concatenations along the last dimension of adversarial data (NaN payloads, -0.0, denormals),
+    each beginning with the one before: kept in pieces, restored bit for bit in their own layout."""
+    from conftest import adversarial
+
+    restored: list[torch.Tensor] = []
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(t)
+            return t.sum()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            restored.append(ctx.saved_tensors[0])
+            return g.expand(restored[-1].shape)
+
+    parts = [adversarial(128 * 40, torch.float32, seed=i).view(128, 40).requires_grad_() for i in range(4)]
+    with relu_ext.save_compact() as sc:
+        cats = [torch.cat(parts[: i + 1], -1) for i in range(len(parts))]
+        want = [c.detach().clone() for c in cats]
+        loss = sum(Keep.apply(c) for c in cats)
+    assert sc.concatenated == 3, sc.report()
+    assert sc.bytes_held < sum(t.nbytes for t in want) // 2
+    del cats
+    loss.backward()
+    for got, expect in zip(restored[::-1], want):
+        assert got.stride() == expect.stride()
+        assert_bitwise_equal(got, expect)
+
+
+def test_concatenation_whose_inputs_changed_is_not_chained_and_stays_exact():
+    """The first layer's output changed in place (under no_grad) after the second layer's concatenation
+    took it: the third's does not begin with the second's any more, so it starts a chain of its own
+    (verified, not assumed from the graph); the step is still the same."""
+    model = _DenseBlocks(NETS["nn.ReLU"], torch.float32).train()
+    first: list[torch.Tensor] = []
+    model.blocks[0][0].register_forward_hook(lambda m, args, out: first.append(out))
+
+    def change(m: Any, args: Any, out: torch.Tensor) -> None:
+        with torch.no_grad():
+            first[-1][0, 0, 0, 0] += 1.0
+
+    model.blocks[0][1].register_forward_hook(change)
+    sc = relu_ext.save_compact()
+    x = torch.randn(2, 3, 32, 32)
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert (sc.concatenated, sc.replay_misses) == (7, 0), sc.report()
+
+
+def test_concatenation_changed_after_forward_raises():
+    """The first of a chain (kept as it is, and read by every later one) changed in place after the
+    forward: PyTorch's in-place error, as without hooks (its BatchNorm keeps it)."""
+    model = _DenseBlocks(NETS["nn.ReLU"], torch.float32).train()
+    for ctx in (relu_ext.save_compact(), contextlib.nullcontext()):
+        first: list[torch.Tensor] = []
+        handle = model.blocks[0][0].register_forward_pre_hook(lambda m, args: first.append(args[0]))
+        with ctx:
+            loss = model(torch.randn(2, 3, 32, 32)).sum()
+        handle.remove()
+        with torch.no_grad():
+            first[0].add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("blocks", [_Residual, _DenseBlocks], ids=["residual", "dense"])
 @pytest.mark.parametrize("where", ["retain_graph", "checkpoint"])
-def test_residual_blocks_replay_twice_and_under_checkpoint(where):
-    """Recipes that read another recipe or a compacted tensor, rebuilt again (double backward,
-    then backward with retain_graph twice), and inside a checkpointed forward."""
+def test_blocks_replay_twice_and_under_checkpoint(where, blocks):
+    """Recipes that read another recipe, a compacted tensor or a concatenation in pieces, rebuilt
+    again (double backward, then backward with retain_graph twice), and inside a checkpointed forward."""
     from torch.utils.checkpoint import checkpoint
 
-    model = _Residual(NETS["nn.ReLU"], torch.float64).train()
+    model = blocks(NETS["nn.ReLU"], torch.float64).train()
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64, requires_grad=True)
 
     def run(ctx: Any) -> list[torch.Tensor]:
@@ -296,6 +415,7 @@ def test_residual_blocks_replay_twice_and_under_checkpoint(where):
     sc = relu_ext.save_compact()
     got, want = run(sc), run(contextlib.nullcontext())
     assert len(got) == len(want) > 10 and sc.replayed >= 5 and sc.replay_misses == 0, sc.report()
+    assert (sc.concatenated > 0) == (blocks is _DenseBlocks), sc.report()
     for a, b in zip(got, want):
         assert_bitwise_equal(a, b)
 
@@ -452,3 +572,20 @@ def test_real_model_replays_and_trains_the_same():
     # (identity: the max-pool output, a downsample BatchNorm's, the stage's first block's output).
     assert (on.replayed, on.replay_misses, on.compacted) == (17, 0, 0), on.report()
     assert on.bytes_held < off.bytes_held < off.bytes_saved_for_backward
+
+
+def test_real_densenet_keeps_concatenations_in_pieces():
+    """densenet121: its blocks' concatenations kept in pieces, the activations after them replayed from
+    them, none missed; the step bitwise the same; their pieces hold a fraction of their bytes."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = tv.models.densenet121(weights=None).train()
+    x = torch.randn(2, 3, 64, 64)
+    on, off = relu_ext.save_compact(), relu_ext.save_compact(recompute=False)
+    assert_same_step(train_step(model, x, on), train_step(model, x, contextlib.nullcontext()))
+    train_step(model, x, off)
+    # 58 concatenations (6 + 12 + 24 + 16 layers, and three transitions) follow the first of a block;
+    # at 64 x 64 the last block's (2 x 2) are too small to bother with.
+    assert on.concatenated >= 30 and on.replay_misses == 0, on.report()
+    assert on._stats.concatenated_held < on._stats.concatenated_bytes / 4, on.report()
+    assert on.bytes_held < off.bytes_held - on._stats.concatenated_bytes / 2, (on.report(), off.report())

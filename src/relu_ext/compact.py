@@ -31,7 +31,16 @@ also holds the add's other input: a second BatchNorm's input and terms, or
 what this context saved of ``identity`` for another node (see ``_replayed``).
 The BatchNorm's saved tensors are read without unpacking them
 (``SavedTensor.data``), and only when they are plain tensors or this
-context's own dense ones, so no other hook runs and nothing is held twice.
+context's own dense ones (or concatenations), so no other hook runs and
+nothing is held twice.
+
+Also with recompute: a concatenation that begins with the one this context
+kept before it (DenseNet: each layer's ``torch.cat`` of the block's
+features, saved by its BatchNorm) is kept as that one's pieces, shared,
+plus a copy of what it adds, verified bit for bit when packed
+(``Concatenated``). And always: an integer tensor that only the graph holds
+(max-pool indices) is kept in the narrowest integer type that holds its
+values, decided when the context exits (``Narrowed``).
 """
 
 from __future__ import annotations
@@ -148,9 +157,15 @@ class _Shared:
         """Whether rebuild() would succeed: what it reads has not changed since."""
         return True
 
-    def current(self) -> Tensor:
-        """The saved tensor: the one restored for pending unpacks, else rebuilt (counts no unpack)."""
-        return self.restored if self.restored is not None else self.rebuild()
+    def current(self, keep: bool = False) -> Tensor:
+        """The saved tensor: the one restored for pending unpacks, else rebuilt (counts no unpack),
+        and with `keep`, kept for the pending unpacks (those of a backward that is about to need it)."""
+        if self.restored is not None:
+            return self.restored
+        t = self.rebuild()
+        if keep and self.pending > 0:
+            self.restored = t
+        return t
 
     def restore(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
@@ -216,35 +231,125 @@ class Replayed(_Shared):
 
     __slots__ = ("x", "version", "alpha", "beta", "act", "args", "x2", "version2", "alpha2", "beta2")
 
-    def __init__(self, x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: list[float],
+    def __init__(self, x: Tensor | _Shared, alpha: Tensor, beta: Tensor, act: str, args: list[float],
                  second: tuple[Tensor | _Shared, Tensor, Tensor] | None = None) -> None:
         x2, alpha2, beta2 = second if second is not None else (None, None, None)
         super().__init__(sum(t.nbytes for t in (alpha, beta, alpha2, beta2) if t is not None),
-                         1 + (x2.depth if isinstance(x2, _Shared) else 0))
-        self.x, self.version, self.alpha, self.beta, self.act, self.args = x, x._version, alpha, beta, act, args
+                         1 + sum(s.depth for s in (x, x2) if isinstance(s, _Shared)))
+        self.x, self.alpha, self.beta, self.act, self.args = x, alpha, beta, act, args
         self.x2, self.alpha2, self.beta2 = x2, alpha2, beta2
+        self.version = x._version if isinstance(x, Tensor) else None
         self.version2 = x2._version if isinstance(x2, Tensor) else None
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout (the BatchNorm input's)."""
         why = "relu_ext.save_compact rebuilds an activation output from this tensor, which changed after the forward"
-        _check_version(self.x, self.version, why)
-        x2 = self.x2
+        x, x2 = self.x, self.x2
+        if isinstance(x, _Shared):  # (a concatenation its BatchNorm's backward unpacks next: kept for it)
+            x = x.current(keep=True)
+        else:
+            _check_version(x, self.version, why)
         if isinstance(x2, _Shared):
             x2 = x2.current()
         elif x2 is not None:
             _check_version(x2, self.version2, why)
-        return _ops.bn_act_rebuild(self.x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
+        return _ops.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
 
     def fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
-        x2 = self.x2
-        return self.x._version == self.version and (
-            x2.fresh() if isinstance(x2, _Shared) else x2 is None or x2._version == self.version2)
+        return all(s.fresh() if isinstance(s, _Shared) else s is None or s._version == v
+                   for s, v in ((self.x, self.version), (self.x2, self.version2)))
 
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive beyond what the graph holds anyway (for memory accounting)."""
         return tuple(t for t in (self.alpha, self.beta, self.alpha2, self.beta2) if t is not None)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether `a` and `b` are equal bit for bit (NaN payloads and the sign of zero count)."""
+    bits = _INT_OF_SIZE[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
+class Concatenated(_Shared):
+    """A saved concatenation (DenseNet's ``torch.cat`` of a block's features, saved by the next
+    BatchNorm) kept as pieces along its dimension: the pieces of the concatenation before it, which
+    it begins with (shared, not copied), and a copy of what it adds. The first of a chain is kept
+    as it is. Rebuilt in backward in one pass; a chain of n holds one concatenation's bytes, not n."""
+
+    __slots__ = ("pieces", "version", "dim", "inputs", "size", "stride", "source", "source_version")
+
+    def __init__(self, t: Tensor, dim: int, prev: Concatenated | None) -> None:
+        # Detached: the same data and version counter, without the grad_fn (see _Dense).
+        start = 0 if prev is None else prev.size[dim]
+        piece = t.detach() if prev is None else t.narrow(dim, start, t.shape[dim] - start).clone()
+        super().__init__(0 if prev is None else piece.nbytes)
+        self.pieces = (piece,) if prev is None else (*prev.pieces, piece)
+        self.version = t._version if prev is None else prev.version  # (of the first piece, the tensor itself)
+        self.dim, self.inputs, self.size, self.stride = dim, t.grad_fn.next_functions, t.size(), t.stride()
+        self.source, self.source_version = weakref.ref(t), t._version  # (verified equal to this, see live())
+
+    def extends(self, t: Tensor, dim: int) -> bool:
+        """Whether `t` begins with this concatenation: the same inputs (nodes) first, then more,
+        and bit for bit the same elements."""
+        inputs = t.grad_fn.next_functions
+        if dim != self.dim or len(inputs) <= len(self.inputs) or self.size[dim] >= t.shape[dim] or not self.fresh():
+            return False
+        if any(a is not b or i != j for (a, i), (b, j) in zip(self.inputs, inputs)):
+            return False
+        lengths = [piece.shape[dim] for piece in self.pieces]
+        parts = t.split([*lengths, t.shape[dim] - self.size[dim]], dim)
+        return all(_same_bits(part, piece) for part, piece in zip(parts, self.pieces))
+
+    def rebuild(self) -> Tensor:
+        """The saved tensor, bit for bit, in its own layout."""
+        first = self.pieces[0]
+        _check_version(first, self.version, "relu_ext.save_compact rebuilds a concatenation from this tensor, "
+                       "which changed after the forward")
+        if len(self.pieces) == 1:
+            return first
+        out = torch.cat(self.pieces, self.dim)
+        if out.stride() != self.stride:  # (cat lays out its result after its inputs')
+            out = torch.empty_strided(self.size, self.stride, dtype=out.dtype, device=out.device).copy_(out)
+        return out
+
+    def fresh(self) -> bool:
+        """Whether rebuild() would succeed: the first piece is at the version it had."""
+        return self.pieces[0]._version == self.version
+
+    def live(self) -> Tensor:
+        """The saved tensor: the concatenation itself while it is alive and unchanged, else rebuilt."""
+        t = self.source()
+        return t if t is not None and t._version == self.source_version else self.rebuild()
+
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting; the pieces are shared along a chain)."""
+        return self.pieces
+
+
+def _concatenation(t: Tensor, dim: int, chains: dict[tuple[Any, ...], Any]) -> Concatenated:
+    """`t` (a concatenation along `dim`) in pieces: the last concatenation kept of the same other sizes,
+    where `t` begins with it, and what `t` adds; else the first of a new chain."""
+    key = (dim, t.dtype, t.device, t.shape[:dim] + t.shape[dim + 1:])
+    ref = chains.get(key)
+    prev = None if ref is None else ref()
+    packed = Concatenated(t, dim, prev if prev is not None and prev.extends(t, dim) else None)
+    chains[key] = weakref.ref(packed)
+    return packed
+
+
+def _cat_dim(t: Tensor) -> int | None:
+    """The dimension of the ``torch.cat`` that made `t`, or None (another op, or a tensor not to keep in pieces)."""
+    fn = t.grad_fn
+    if fn is None or fn.name() != "CatBackward0" or not t.is_floating_point() or t.element_size() not in _INT_OF_SIZE:
+        return None
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() < _MIN_NUMEL or not _is_dense(t):
+        return None
+    dim = fn._saved_dim
+    return (dim - 2**64 if dim >= 2**63 else dim) % t.dim()  # (kept as an unsigned integer)
 
 
 # Integer types a saved integer tensor may be kept in, narrowest first.
@@ -315,9 +420,14 @@ def _like(x: Tensor | None, t: Tensor) -> bool:
     return x is not None and x.dtype == t.dtype and x.shape == t.shape and x.stride() == t.stride()
 
 
-def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The input of BatchNorm node `bn` (laid out as `t`) and its terms for `t`'s dtype, or None."""
-    x = _peek(bn._raw_saved_input, unpack)
+def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tensor, Tensor, Tensor] | None:
+    """The input of BatchNorm node `bn` (laid out as `t`), its terms for `t`'s dtype, and the input
+    again as a tensor, to verify with; or None. The input is a tensor, or a concatenation this context
+    keeps in pieces (DenseNet's), which the recipe then rebuilds for its own rebuild, and drops."""
+    saved = bn._raw_saved_input
+    source = x = _peek(saved, unpack)
+    if x is None and saved.unpack_hook is unpack and isinstance(saved.data, Concatenated) and saved.data.fresh():
+        source, x = saved.data, saved.data.live()
     if not _like(x, t):
         return None  # (t is dense, so x is too)
     training = bool(bn._saved_training)
@@ -332,7 +442,7 @@ def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor, Tensor, Tensor]
     alpha, beta = _ops.bn_terms(
         None if weight is None else weight.detach(), None if bias is None else bias.detach(), mean.detach(),
         var.detach(), training, float(bn._saved_eps), t.dtype)
-    return x.detach(), alpha, beta
+    return (x.detach() if source is x else source), alpha, beta, x.detach()
 
 
 def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, Tensor, Tensor, Tensor] | None:
@@ -369,7 +479,7 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
     if act is None or t.device.type != "cpu" or t.dim() < 2:
         return None, False
     prev = t.grad_fn.next_functions[0][0]
-    second = check = None  # the add's other input: what the recipe reads, what verification reads
+    second = None  # the add's other input: what the recipe reads, its terms, what verification reads
     if prev.name() in _BN_NODES:
         first = _bn_source(prev, t, unpack)
     else:  # AddBackward0 (see _after_batchnorm)
@@ -381,18 +491,15 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
         if b is None:
             return None, False
         first = _bn_source(a, t, unpack)
-        if b.name() in _BN_NODES:
-            second = check = _bn_source(b, t, unpack)
-        else:
-            kept = _kept_output(b, b_nr, t)
-            second, check = (None, None) if kept is None else (kept[:3], (kept[3], *kept[1:3]))
+        second = _bn_source(b, t, unpack) if b.name() in _BN_NODES else _kept_output(b, b_nr, t)
         if second is None:
             return None, False
     if first is None:
         return None, False
-    if not bool(_ops.bn_act_verify(*first, act[0], act[1], t.detach(), *(check or ()))):
+    check = () if second is None else (second[3], *second[1:3])
+    if not bool(_ops.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *check)):
         return None, True
-    return Replayed(*first, act[0], act[1], second), False
+    return Replayed(*first[:3], act[0], act[1], None if second is None else second[:3]), False
 
 
 def _compacted(t: Tensor, min_saving: float) -> Compacted | None:
@@ -427,14 +534,15 @@ _REASONS = {
 class _Stats:
     """What a save_compact's pack hook did (kept apart from the context: the hook holds this, not the context)."""
 
-    __slots__ = ("compacted", "replayed", "replay_misses", "narrowed", "kept_by_reason", "compacted_bytes",
-                 "compacted_held", "replayed_bytes", "replayed_held", "narrowed_bytes", "narrowed_held", "kept_bytes")
+    __slots__ = ("compacted", "replayed", "replay_misses", "concatenated", "narrowed", "kept_by_reason",
+                 "compacted_bytes", "compacted_held", "replayed_bytes", "replayed_held", "concatenated_bytes",
+                 "concatenated_held", "narrowed_bytes", "narrowed_held", "kept_bytes")
 
     def __init__(self) -> None:
-        self.compacted = self.replayed = self.replay_misses = self.narrowed = 0
+        self.compacted = self.replayed = self.replay_misses = self.concatenated = self.narrowed = 0
         self.kept_by_reason = dict.fromkeys(_REASONS, 0)
         self.compacted_bytes = self.compacted_held = self.replayed_bytes = self.replayed_held = self.kept_bytes = 0
-        self.narrowed_bytes = self.narrowed_held = 0
+        self.concatenated_bytes = self.concatenated_held = self.narrowed_bytes = self.narrowed_held = 0
 
     def keep(self, reason: str, t: Tensor) -> None:
         """Count `t`, saved as it is for `reason`."""
@@ -461,12 +569,18 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     numbers per channel, verified bit for bit when saved and rebuilt in
     backward; else *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with
     ``min_val=0``, Threshold with ``value=0``, Hardsigmoid): nonzero values
-    plus a bitmap. Data changed in place after the forward gives backward the
-    values it had then, or PyTorch's in-place error; never the changed data.
+    plus a bitmap. A concatenation that begins with the previous one kept
+    (DenseNet's) is kept as its pieces plus what it adds (*concatenated*,
+    with recompute), and an integer tensor only the graph holds (max-pool
+    indices) in the narrowest integer type that holds its values (*narrowed*,
+    when the context exits). Data changed in place after the forward gives
+    backward the values it had then, or PyTorch's in-place error; never the
+    changed data.
 
     ``with`` gives the context, which counts what its hooks did (over all its
     blocks; each distinct tensor once): ``replayed``, ``replay_misses`` (recipes
-    that failed their check; then compacted or kept), ``compacted``, ``kept``
+    that failed their check; then compacted or kept), ``compacted``,
+    ``concatenated``, ``narrowed``, ``kept``
     and ``kept_by_reason`` (``not_activation``, ``not_replayed``, ``too_small``
     (under 4096 elements), ``too_few_zeros``, ``unsupported``),
     ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
@@ -478,7 +592,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         min_saving (float): compact a tensor only if that saves at least this
             fraction of its bytes. Default: ``0.1``.
         recompute (bool): keep activation outputs after a BatchNorm as
-            recipes (CPU tensors). Default: ``True``.
+            recipes (CPU tensors), and concatenations in pieces. Default: ``True``.
 
     Example::
 
@@ -519,9 +633,12 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         # Integer tensors to narrow when the context exits (settle()): id -> its Narrowed,
         # which holds the tensor until then (so the id stays its own).
         ints = self._ints = {}
+        # The last concatenation kept in pieces, by its dimension and its other sizes (_concatenation).
+        chains = self._chains = {}
 
         def pack(t: Tensor) -> Any:
             why = _why_kept(t, recompute)
+            dim = _cat_dim(t) if recompute and why == "not_activation" else None
             if why == "not_activation" and _narrowable(t):
                 packed = ints.get(id(t))
                 if packed is None or packed.version != t._version:
@@ -529,7 +646,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                     stats.keep(why, t)  # (until settled)
                 packed.pending += 1
                 return packed
-            if why is not None:
+            if why is not None and dim is None:
                 key = id(t)
                 ref = seen.get(key)
                 if ref is None or ref() is not t:
@@ -549,7 +666,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                 fn, packed, missed = t.grad_fn, None, False
                 zeros = _mostly_zeros(fn)
                 with torch.no_grad():
-                    if recompute and _after_batchnorm(fn):
+                    if dim is not None:
+                        packed = _concatenation(t, dim, chains)
+                    elif recompute and _after_batchnorm(fn):
                         packed, missed = _replayed(t, unpack)
                     if packed is None and zeros:
                         packed = _compacted(t, min_saving)
@@ -562,6 +681,13 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                     stats.replayed += 1
                     stats.replayed_bytes += t.nbytes
                     stats.replayed_held += packed.nbytes
+                elif isinstance(packed, Concatenated):
+                    if len(packed.pieces) == 1:
+                        stats.keep("not_activation", t)  # (the first of a chain: as it is)
+                    else:
+                        stats.concatenated += 1
+                        stats.concatenated_bytes += t.nbytes
+                        stats.concatenated_held += packed.nbytes
                 elif packed is not None:
                     stats.compacted += 1
                     stats.compacted_bytes += t.nbytes
@@ -598,6 +724,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                     st.narrowed_bytes += full
                     st.narrowed_held += packed.nbytes
         self._ints.clear()
+        self._chains.clear()
 
     @property
     def compacted(self) -> int:
@@ -613,6 +740,11 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     def replay_misses(self) -> int:
         """Recipes that failed their bit-for-bit check when saved (those tensors were compacted or kept)."""
         return self._stats.replay_misses
+
+    @property
+    def concatenated(self) -> int:
+        """Distinct concatenations saved for backward (DenseNet's) kept as pieces shared with the one before."""
+        return self._stats.concatenated
 
     @property
     def narrowed(self) -> int:
@@ -633,19 +765,19 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     def bytes_saved_for_backward(self) -> int:
         """Bytes of the distinct tensors saved for backward: what the graph would hold without the hooks."""
         st = self._stats
-        return st.compacted_bytes + st.replayed_bytes + st.narrowed_bytes + st.kept_bytes
+        return st.compacted_bytes + st.replayed_bytes + st.concatenated_bytes + st.narrowed_bytes + st.kept_bytes
 
     @property
     def bytes_held(self) -> int:
         """Bytes the graph holds for them: tensors kept as they are, the compacted ones' values and bitmaps,
-        the recipes' per-channel terms, the narrowed integer tensors."""
+        the recipes' per-channel terms, the concatenations' own pieces, the narrowed integer tensors."""
         st = self._stats
-        return st.compacted_held + st.replayed_held + st.narrowed_held + st.kept_bytes
+        return st.compacted_held + st.replayed_held + st.concatenated_held + st.narrowed_held + st.kept_bytes
 
     def report(self) -> str:
         """What the hooks did, in words (see the class documentation)."""
         st, total, held = self._stats, self.bytes_saved_for_backward, self.bytes_held
-        n = self.replayed + self.compacted + self.narrowed + self.kept
+        n = self.replayed + self.compacted + self.concatenated + self.narrowed + self.kept
         share = f" ({100 * held / total:.1f}%)" if total else ""
         why = ", ".join(f"{k} {_REASONS[r]}" for r, k in st.kept_by_reason.items() if k)
         return "\n".join([
@@ -656,6 +788,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                f"miss{'es' * (st.replay_misses != 1)}"] if st.replayed or st.replay_misses else []),
             f"  compacted: {st.compacted} tensor{'s' * (st.compacted != 1)}, {_size(st.compacted_bytes)} held in "
             f"{_size(st.compacted_held)}",
+            *([f"  concatenations: {st.concatenated} tensor{'s' * (st.concatenated != 1)}, "
+               f"{_size(st.concatenated_bytes)} held in {_size(st.concatenated_held)} (each the one before it, "
+               f"shared, and what it adds)"] if st.concatenated else []),
             *([f"  narrowed: {st.narrowed} integer tensor{'s' * (st.narrowed != 1)}, {_size(st.narrowed_bytes)} "
                f"held in {_size(st.narrowed_held)} (max-pool indices and the like, in a narrower integer type)"]
               if st.narrowed else []),
@@ -666,7 +801,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     def __repr__(self) -> str:
         return (
             f"<relu_ext.save_compact min_saving={self.min_saving} recompute={self.recompute} replayed={self.replayed} "
-            f"compacted={self.compacted} narrowed={self.narrowed} kept={self.kept} "
+            f"compacted={self.compacted} concatenated={self.concatenated} narrowed={self.narrowed} kept={self.kept} "
             f"bytes_saved_for_backward={self.bytes_saved_for_backward} bytes_held={self.bytes_held}>"
         )
 
