@@ -18,7 +18,9 @@
 // where a vector would reach past its range (see the *_avx2 functions).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
 
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -547,6 +549,33 @@ void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor&
       expand_chunk<U>(in, total, mask, n, b0, b1, start[c], dst);
     });
   });
+}
+
+bool same_bits_cpu(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.layout() == at::kStrided && b.layout() == at::kStrided,
+              "relu_ext.same_bits: strided CPU tensors only, got ", a.device(), " ", a.layout(), " and ", b.device(),
+              " ", b.layout());
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), "relu_ext.same_bits: tensors of ",
+              a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type(), " differ in shape or dtype");
+  const int64_t width = static_cast<int64_t>(a.element_size());
+  std::atomic<bool> differ{false};
+  at::TensorIterator iter = at::TensorIteratorConfig().add_const_input(a).add_const_input(b).build();
+  iter.for_each(
+      [&](char** data, const int64_t* strides, int64_t n) {
+        if (differ.load(std::memory_order_relaxed)) return;
+        if (strides[0] == width && strides[1] == width) {
+          if (std::memcmp(data[0], data[1], static_cast<size_t>(n * width)) != 0) differ = true;
+          return;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          if (std::memcmp(data[0] + i * strides[0], data[1] + i * strides[1], static_cast<size_t>(width)) != 0) {
+            differ = true;
+            return;
+          }
+        }
+      },
+      kChunkBytes * 8);
+  return !differ.load();
 }
 
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask) {

@@ -151,6 +151,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pybind11::arg("a1"),
       "relu_ext's other functions for plain tensors in eager mode (the relu_ext::<name> / <name>_ op).");
 
+  m.def("same_bits", &same_bits_cpu, pybind11::arg("a"), pybind11::arg("b"),
+        "Whether two CPU tensors of the same sizes and dtype hold the same bits, whatever their strides.");
   m.def("install_targets", &install_targets, "The aten ops install() can take over, by name.");
   m.def("install", &install, pybind11::arg("ops"),
         "Register relu_ext's kernels for these aten ops (and their in-place forms; idempotent).");

@@ -103,6 +103,11 @@ void set_cpu_isa(const std::string& name);
 at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed);
 void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out);
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask);
+// Whether a and b (CPU, the same sizes and dtype, any strides) hold the same
+// bits (compact_cpu.cpp; save_compact's check that a concatenation begins
+// with the one before it). torch.equal compares numbers (NaN != NaN), one
+// element at a time; this compares memory, a contiguous run at a time.
+bool same_bits_cpu(const at::Tensor& a, const at::Tensor& b);
 
 #ifdef WITH_CUDA
 void forward_int_cuda(const at::Tensor& x, const at::Tensor& y);

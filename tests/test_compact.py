@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import relu_ext
-from relu_ext import compact
+from relu_ext import _C, compact
 from conftest import DEVICES, adversarial, assert_bitwise_equal, assert_same_step, train_step
 
 
@@ -258,6 +258,35 @@ def test_what_is_not_a_relu_output_is_saved_as_usual(monkeypatch):
     z.backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.uint8], ids=str)
+def test_same_bits(dtype):
+    """_C.same_bits (save_compact's check of a concatenation's pieces): bits, not numbers (NaN payloads
+    equal themselves, -0.0 differs from +0.0), in any strides, one differing element anywhere."""
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(-(2**62), 2**62, (3, 70, 9, 11), generator=g).view(torch.uint8)[..., : 11 * dtype.itemsize]
+    a = bits.contiguous().view(dtype).contiguous(memory_format=torch.channels_last)[:, 5:61]  # (not dense)
+    b = a.contiguous()
+    assert _C.same_bits(a, b) and _C.same_bits(b, a) and _C.same_bits(a.transpose(0, 3), b.transpose(0, 3))
+    for i in (0, 1, a.numel() // 2, a.numel() - 1):
+        c = b.clone()
+        c.view(-1).view(torch.uint8)[i * dtype.itemsize] ^= 1
+        assert not _C.same_bits(a, c), i
+    if dtype.is_floating_point:
+        zeros = torch.zeros(4096, dtype=dtype)
+        negative = zeros.clone()
+        negative[4000] = -0.0
+        assert not _C.same_bits(zeros, negative) and torch.equal(zeros, negative)
+        nan = torch.full((4096,), float("nan"), dtype=dtype)
+        assert _C.same_bits(nan, nan.clone()) and not torch.equal(nan, nan.clone())
+    with pytest.raises(RuntimeError, match="differ in shape or dtype"):
+        _C.same_bits(a, b[:, 1:])
+    with pytest.raises(RuntimeError, match="differ in shape or dtype"):
+        _C.same_bits(a, b.view(torch.uint8) if dtype.itemsize == 1 and dtype != torch.uint8 else b.to(torch.int32))
+    with pytest.raises(RuntimeError, match="strided CPU tensors only"):
+        _C.same_bits(a.to("meta"), b.to("meta"))
+
+
 # --- integer tensors (max-pool indices): narrowed ----------------------------------------
 
 
@@ -346,6 +375,20 @@ def test_integer_tensor_held_elsewhere_is_kept_as_it_is():
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype
         assert torch.equal(a, b) if a.dtype == torch.int64 else assert_bitwise_equal(a, b) is None
+
+
+def test_integer_tensor_held_in_cpp_is_kept_as_it_is():
+    """Held by C++ alone (a node that saved it outside save_compact): its Python object outlives the
+    hook's reference (PyTorch keeps the object of a live tensor), so it is not narrowed."""
+    x = torch.randn(2, 4, 64, 64, requires_grad=True)
+    pooled, indices = F.max_pool2d(x * 1, 2, 2, return_indices=True)  # indices: kept by its node (C++)
+    with relu_ext.save_compact() as sc:
+        out = _SavesInts.apply(x, lambda: [indices])
+        del indices  # (now only the two nodes hold it)
+    assert (sc.narrowed, sc.kept) == (0, 1), sc.report()
+    _SavesInts.restored = []
+    (out.sum() + pooled.sum()).backward()
+    assert _SavesInts.restored[0].dtype == torch.int64
 
 
 def test_integer_tensor_changed_in_place_raises_pytorchs_error():

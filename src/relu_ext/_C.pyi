@@ -33,6 +33,10 @@ def act(name: str, input: Tensor, inplace: bool, a0: float, a1: float) -> Tensor
     relu_ext::<name> (or <name>_, returning input) op with its Scalar
     arguments in schema order (the unused ones ignored)."""
 
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether two CPU tensors of the same sizes and dtype hold the same bits, whatever their
+    strides (save_compact's check of a concatenation's pieces). RuntimeError otherwise."""
+
 def install_targets() -> list[str]:
     """The aten ops install() can take over, by name: 'relu' and the family's."""
 

@@ -52,6 +52,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from . import _C
+
 _RELU_NODES = frozenset({"ReluBackward0", "ReluExtBackward0"})
 # BatchNorm nodes whose output the CPU replay rebuilds (PyTorch's CPU kernel; cudnn's is CUDA's).
 _BN_NODES = frozenset({"NativeBatchNormBackward0"})
@@ -265,15 +267,6 @@ class Replayed(_Shared):
         return tuple(t for t in (self.alpha, self.beta, self.alpha2, self.beta2) if t is not None)
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _same_bits(a: Tensor, b: Tensor) -> bool:
-    """Whether `a` and `b` are equal bit for bit (NaN payloads and the sign of zero count)."""
-    bits = _INT_OF_SIZE[a.element_size()]
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
-
-
 class Concatenated(_Shared):
     """A saved concatenation (DenseNet's ``torch.cat`` of a block's features, saved by the next
     BatchNorm) kept as pieces along its dimension: the pieces of the concatenation before it, which
@@ -302,7 +295,7 @@ class Concatenated(_Shared):
             return False
         lengths = [piece.shape[dim] for piece in self.pieces]
         parts = t.split([*lengths, t.shape[dim] - self.size[dim]], dim)
-        return all(_same_bits(part, piece) for part, piece in zip(parts, self.pieces))
+        return all(_C.same_bits(part, piece) for part, piece in zip(parts, self.pieces))
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
@@ -344,9 +337,11 @@ def _concatenation(t: Tensor, dim: int, chains: dict[tuple[Any, ...], Any]) -> C
 def _cat_dim(t: Tensor) -> int | None:
     """The dimension of the ``torch.cat`` that made `t`, or None (another op, or a tensor not to keep in pieces)."""
     fn = t.grad_fn
-    if fn is None or fn.name() != "CatBackward0" or not t.is_floating_point() or t.element_size() not in _INT_OF_SIZE:
+    if fn is None or fn.name() != "CatBackward0" or not t.is_floating_point():
         return None
-    if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() < _MIN_NUMEL or not _is_dense(t):
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != "cpu":
+        return None  # (on CUDA each comparison would be a host sync: not yet)
+    if t.numel() < _MIN_NUMEL or not _is_dense(t):
         return None
     dim = fn._saved_dim
     return (dim - 2**64 if dim >= 2**63 else dim) % t.dim()  # (kept as an unsigned integer)
@@ -836,6 +831,7 @@ def _narrowable(t: Tensor) -> bool:
         and t.layout == torch.strided
         and t.device.type in ("cpu", "cuda")
         and t.numel() >= _MIN_NUMEL
+        and not t._is_view()  # (its base's storage may be held elsewhere)
         and _is_dense(t)
     )
 
