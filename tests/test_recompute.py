@@ -559,15 +559,22 @@ def test_saved_tensors_of_other_hooks_are_not_unpacked():
     loss.backward()
 
 
-def test_real_model_replays_and_trains_the_same():
-    """resnet18: every BN -> ReLU output replayed, none missed; the step bitwise the same; less held."""
+def _real_model_steps(name: str) -> tuple[relu_ext.save_compact, relu_ext.save_compact]:
+    """torchvision's `name` (random weights, 2 x 3 x 64 x 64): a step under save_compact(), bitwise
+    the same as without hooks, and one with recompute=False; their two contexts."""
     tv = pytest.importorskip("torchvision")
     torch.manual_seed(0)
-    model = tv.models.resnet18(weights=None).train()
+    model = getattr(tv.models, name)(weights=None).train()
     x = torch.randn(2, 3, 64, 64)
     on, off = relu_ext.save_compact(), relu_ext.save_compact(recompute=False)
     assert_same_step(train_step(model, x, on), train_step(model, x, contextlib.nullcontext()))
     train_step(model, x, off)
+    return on, off
+
+
+def test_real_model_replays_and_trains_the_same():
+    """resnet18: every BN -> ReLU output replayed, none missed; the step bitwise the same; less held."""
+    on, off = _real_model_steps("resnet18")
     # resnet18's ReLUs: 1 stem + 2 per block x 8 blocks; one per block follows the residual add
     # (identity: the max-pool output, a downsample BatchNorm's, the stage's first block's output).
     assert (on.replayed, on.replay_misses, on.compacted) == (17, 0, 0), on.report()
@@ -577,13 +584,7 @@ def test_real_model_replays_and_trains_the_same():
 def test_real_densenet_keeps_concatenations_in_pieces():
     """densenet121: its blocks' concatenations kept in pieces, the activations after them replayed from
     them, none missed; the step bitwise the same; their pieces hold a fraction of their bytes."""
-    tv = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    model = tv.models.densenet121(weights=None).train()
-    x = torch.randn(2, 3, 64, 64)
-    on, off = relu_ext.save_compact(), relu_ext.save_compact(recompute=False)
-    assert_same_step(train_step(model, x, on), train_step(model, x, contextlib.nullcontext()))
-    train_step(model, x, off)
+    on, off = _real_model_steps("densenet121")
     # 58 concatenations (6 + 12 + 24 + 16 layers, and three transitions) follow the first of a block;
     # at 64 x 64 the last block's (2 x 2) are too small to bother with.
     assert on.concatenated >= 30 and on.replay_misses == 0, on.report()
