@@ -218,7 +218,7 @@ def test_training_step_is_bitwise_the_same(act, dtype):
 
 
 class _Residual(torch.nn.Module):
-    """Residual blocks as torchvision's BasicBlock adds them: `identity` is a max-pool output
+    """Residual blocks as torchvision's BasicBlock adds them: `identity` is an average-pool output
     (kept as it is by the next conv), a downsample BatchNorm's output, then three times the
     previous block's output."""
 
@@ -226,7 +226,7 @@ class _Residual(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         conv, bn = torch.nn.Conv2d, torch.nn.BatchNorm2d
-        self.stem = torch.nn.Sequential(conv(3, 16, 3, padding=1), bn(16), act(), torch.nn.MaxPool2d(2))
+        self.stem = torch.nn.Sequential(conv(3, 16, 3, padding=1), bn(16), act(), torch.nn.AvgPool2d(2))
         self.blocks = torch.nn.ModuleList([
             torch.nn.Sequential(conv(16, 16, 3, padding=1), bn(16)),
             torch.nn.Sequential(conv(16, 32, 3, stride=2, padding=1), bn(32)),
@@ -260,7 +260,7 @@ def test_residual_blocks_replay(act, dtype, monkeypatch):
     assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
     assert (sc.replayed, sc.replay_misses) == (5, 0), sc.report()  # the stem's activation, blocks 1, 2, 3, 5
     stem, b1, b2, b3, b5 = made
-    assert stem.x2 is None and isinstance(b1.x2, torch.Tensor) and b1.alpha2.eq(1).all()  # the max-pool output
+    assert stem.x2 is None and isinstance(b1.x2, torch.Tensor) and b1.alpha2.eq(1).all()  # the pool's output
     assert isinstance(b2.x2, torch.Tensor) and b2.alpha2.ne(1).any()  # the downsample BatchNorm's input
     assert b3.x2 is b2 and b3.depth == 2
     # Block 4's output: compacted (ReLU's, about half zeros), else maybe kept as it is (too few zeros).
@@ -382,6 +382,67 @@ def test_concatenation_changed_after_forward_raises():
         handle.remove()
         with torch.no_grad():
             first[0].add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+POOLS = {"2": dict(kernel_size=2), "3s2p1": dict(kernel_size=3, stride=2, padding=1),
+         "3s2-ceil": dict(kernel_size=3, stride=2, ceil_mode=True), "3s2d2": dict(kernel_size=3, stride=2, dilation=2)}
+
+
+@pytest.mark.parametrize("pool", POOLS)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_pool_outputs_are_gathered(dtype, layout, pool):
+    """A max-pool output kept by the next conv is kept as a recipe (the pool's input, itself replayed,
+    at its indices, narrowed); bitwise the same step."""
+    torch.manual_seed(0)
+    conv, bn = torch.nn.Conv2d, torch.nn.BatchNorm2d
+    model = torch.nn.Sequential(conv(3, 16, 3, padding=1), bn(16), torch.nn.ReLU(), torch.nn.MaxPool2d(**POOLS[pool]),
+                                conv(16, 4, 3, padding=1), torch.nn.Flatten(), torch.nn.LazyLinear(10)).to(dtype)
+    x = _layout(torch.randn(2, 3, 32, 32, dtype=dtype), layout)
+    model(x)  # (the lazy layer's size)
+    if layout == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert (sc.pooled, sc.replayed, sc.narrowed) == (1, 1, 1), sc.report()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_pool_of_adversarial_data_stays_exact(dtype, layout):
+    """NaN payloads, ±0.0, ±inf, denormals in the pool's input: the recipe is used where the gather gives
+    the pool's own bits (float32, float64: every element is a copy) and the step stays bitwise the same."""
+    from conftest import adversarial
+
+    x = _layout(adversarial(2 * 8 * 32 * 32, dtype, seed=4).view(2, 8, 32, 32), layout)
+    w = torch.randn(2, 8, 16, 16, dtype=dtype, requires_grad=True)
+
+    def step(ctx: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        leaf = x.clone().requires_grad_()
+        w.grad = None
+        with ctx:
+            y = F.max_pool2d(leaf * 1, 2)
+            loss = (y * w).sum()  # (the mul keeps y for w's gradient)
+        loss.backward()
+        return y.detach(), leaf.grad, w.grad
+
+    sc = relu_ext.save_compact()
+    for got, want in zip(step(sc), step(contextlib.nullcontext())):
+        assert_bitwise_equal(got, want)
+    if dtype in (torch.float32, torch.float64):
+        assert sc.pooled == 1, sc.report()
+
+
+def test_max_pool_input_changed_after_forward_raises():
+    x = torch.randn(2, 8, 32, 32, requires_grad=True)
+    for ctx in (relu_ext.save_compact(), contextlib.nullcontext()):
+        with ctx:
+            h = x * 1
+            loss = (F.max_pool2d(h, 2) * torch.randn(8, 16, 16)).sum()
+        with torch.no_grad():
+            h.add_(1.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
 
@@ -577,7 +638,10 @@ def test_real_model_replays_and_trains_the_same():
     on, off = _real_model_steps("resnet18")
     # resnet18's ReLUs: 1 stem + 2 per block x 8 blocks; one per block follows the residual add
     # (identity: the max-pool output, a downsample BatchNorm's, the stage's first block's output).
-    assert (on.replayed, on.replay_misses, on.compacted) == (17, 0, 0), on.report()
+    # The max-pool output is a recipe of its own (its input at its indices), so the first block's
+    # output, which would rebuild it too, is compacted instead (or kept: too few zeros).
+    assert (on.replayed, on.replay_misses, on.pooled) == (16, 0, 1), on.report()
+    assert on.compacted + on.kept_by_reason["too_few_zeros"] == 1, on.report()
     assert on.bytes_held < off.bytes_held < off.bytes_saved_for_backward
 
 

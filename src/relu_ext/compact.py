@@ -38,7 +38,9 @@ Also with recompute: a concatenation that begins with the one this context
 kept before it (DenseNet: each layer's ``torch.cat`` of the block's
 features, saved by its BatchNorm) is kept as that one's pieces, shared,
 plus a copy of what it adds, verified bit for bit when packed
-(``Concatenated``). And always: an integer tensor that only the graph holds
+(``Concatenated``), and a max-pool output kept by the next layer as the
+pool's input at its indices, both kept by the pool's node (``Pooled``).
+And always: an integer tensor that only the graph holds
 (max-pool indices) is kept in the narrowest integer type that holds its
 values, decided when the context exits (``Narrowed``).
 """
@@ -168,6 +170,10 @@ class _Shared:
         if keep and self.pending > 0:
             self.restored = t
         return t
+
+    def live(self) -> Tensor:
+        """The saved tensor at pack time, to verify a recipe that reads this with (rebuilt here)."""
+        return self.current()
 
     def restore(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
@@ -334,16 +340,21 @@ def _concatenation(t: Tensor, dim: int, chains: dict[tuple[Any, ...], Any]) -> C
     return packed
 
 
-def _cat_dim(t: Tensor) -> int | None:
-    """The dimension of the ``torch.cat`` that made `t`, or None (another op, or a tensor not to keep in pieces)."""
+def _rebuildable(t: Tensor) -> str | None:
+    """The node name of a tensor kept as a recipe of what other nodes keep where its node is
+    ``torch.cat``'s or ``max_pool2d``'s: a plain dense CPU floating-point tensor; else None. (On CUDA
+    each verification would be a host sync: not yet.)"""
     fn = t.grad_fn
-    if fn is None or fn.name() != "CatBackward0" or not t.is_floating_point():
+    name = None if fn is None else fn.name()
+    if name not in ("CatBackward0", "MaxPool2DWithIndicesBackward0") or not t.is_floating_point():
         return None
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != "cpu":
-        return None  # (on CUDA each comparison would be a host sync: not yet)
-    if t.numel() < _MIN_NUMEL or not _is_dense(t):
         return None
-    dim = fn._saved_dim
+    return name if t.numel() >= _MIN_NUMEL and _is_dense(t) else None
+
+
+def _cat_dim(t: Tensor) -> int:
+    dim = t.grad_fn._saved_dim
     return (dim - 2**64 if dim >= 2**63 else dim) % t.dim()  # (kept as an unsigned integer)
 
 
@@ -393,9 +404,94 @@ class Narrowed(_Shared):
         assert self.narrow is not None
         return self.narrow.to(self.dtype)
 
+    def fresh(self) -> bool:
+        """Whether rebuild() would succeed: the tensor, until settled, is at the version it had."""
+        return self.tensor is None or self.tensor._version == self.version
+
+    def live(self) -> Tensor:
+        """The saved tensor (not widened again while the tensor itself is held)."""
+        return self.tensor if self.tensor is not None else self.current()
+
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
         return (self.tensor,) if self.tensor is not None else (self.narrow,)
+
+
+class Pooled(_Shared):
+    """A saved max-pool output (kept by the next layer) as a recipe: the pool's input and indices,
+    which the pool's node keeps anyway (in the form this context saved them: as they are, compacted,
+    rebuilt, narrowed), gathered in backward. A max-pool output is its input at the indices, bit for
+    bit (verified when saved)."""
+
+    __slots__ = ("x", "version", "indices", "iversion", "size", "stride")
+
+    def __init__(self, x: Tensor | _Shared, indices: Tensor | _Shared, t: Tensor) -> None:
+        super().__init__(0, 1 + (x.depth if isinstance(x, _Shared) else 0))
+        self.x, self.indices, self.size, self.stride = x, indices, t.size(), t.stride()
+        self.version = x._version if isinstance(x, Tensor) else None
+        self.iversion = indices._version if isinstance(indices, Tensor) else None
+
+    def rebuild(self) -> Tensor:
+        """The saved tensor, bit for bit, in its own layout (the pool's backward, next, reads the same two)."""
+        why = "relu_ext.save_compact rebuilds a max-pool output from this tensor, which changed after the forward"
+        x, indices = (s.current(keep=True) if isinstance(s, _Shared) else _checked(s, v, why)
+                      for s, v in ((self.x, self.version), (self.indices, self.iversion)))
+        return _gathered(x, indices, self.size, self.stride)
+
+    def fresh(self) -> bool:
+        """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
+        return all(s.fresh() if isinstance(s, _Shared) else s._version == v
+                   for s, v in ((self.x, self.version), (self.indices, self.iversion)))
+
+    def held(self) -> tuple[Tensor, ...]:
+        """Nothing the graph does not hold anyway (for memory accounting)."""
+        return ()
+
+
+def _checked(t: Tensor, version: int | None, why: str) -> Tensor:
+    _check_version(t, version, why)
+    return t
+
+
+def _gathered(x: Tensor, indices: Tensor, size: Any, stride: Any) -> Tensor:
+    """The elements of `x` (N, C, H, W) at `indices` (N, C, h, w, each an index into its H x W plane),
+    laid out as `size` / `stride`; without copying `x` where it is contiguous or channels_last."""
+    n, c = x.shape[:2]
+    last = torch.channels_last
+    if x.is_contiguous(memory_format=last) and indices.is_contiguous(memory_format=last):
+        flat, at = x.permute(0, 2, 3, 1).reshape(n, -1, c), indices.permute(0, 2, 3, 1).reshape(n, -1, c)
+        out = flat.gather(1, at).view(n, *indices.shape[2:], c).permute(0, 3, 1, 2)
+    else:
+        out = x.reshape(n, c, -1).gather(2, indices.reshape(n, c, -1)).view(indices.shape)
+    if out.stride() != tuple(stride):
+        out = torch.empty_strided(size, stride, dtype=out.dtype, device=out.device).copy_(out)
+    return out
+
+
+def _saved(saved: Any, unpack: Any) -> tuple[Tensor | _Shared, Tensor] | None:
+    """What a node saved, as a recipe may read it (a tensor, or this context's own form of it, still
+    fresh) and as a tensor now (to verify the recipe with), without unpacking it; None for what other
+    hooks packed."""
+    x = _peek(saved, unpack)
+    if x is not None:
+        return x.detach(), x.detach()
+    data = saved.data
+    if saved.unpack_hook is unpack and isinstance(data, _Shared) and data.fresh():
+        return data, data.live()
+    return None
+
+
+def _pooled(t: Tensor, unpack: Any) -> Pooled | None:
+    """`t` (a max_pool2d output, N x C x h x w, on the CPU) as a verified recipe, or None."""
+    if t.dim() != 4 or t.device.type != "cpu":
+        return None
+    fn = t.grad_fn
+    x, indices = _saved(fn._raw_saved_self, unpack), _saved(fn._raw_saved_result1, unpack)
+    if x is None or indices is None or x[1].dim() != 4 or x[1].dtype != t.dtype or indices[1].shape != t.shape:
+        return None
+    if not _C.same_bits(_gathered(x[1], indices[1], t.size(), t.stride()), t):
+        return None
+    return Pooled(x[0], indices[0], t)
 
 
 def _peek(saved: Any, unpack: Any) -> Tensor | None:
@@ -529,12 +625,13 @@ _REASONS = {
 class _Stats:
     """What a save_compact's pack hook did (kept apart from the context: the hook holds this, not the context)."""
 
-    __slots__ = ("compacted", "replayed", "replay_misses", "concatenated", "narrowed", "kept_by_reason",
+    __slots__ = ("compacted", "replayed", "replay_misses", "concatenated", "pooled", "narrowed", "kept_by_reason",
                  "compacted_bytes", "compacted_held", "replayed_bytes", "replayed_held", "concatenated_bytes",
-                 "concatenated_held", "narrowed_bytes", "narrowed_held", "kept_bytes")
+                 "concatenated_held", "pooled_bytes", "narrowed_bytes", "narrowed_held", "kept_bytes")
 
     def __init__(self) -> None:
-        self.compacted = self.replayed = self.replay_misses = self.concatenated = self.narrowed = 0
+        self.compacted = self.replayed = self.replay_misses = self.concatenated = self.pooled = self.narrowed = 0
+        self.pooled_bytes = 0
         self.kept_by_reason = dict.fromkeys(_REASONS, 0)
         self.compacted_bytes = self.compacted_held = self.replayed_bytes = self.replayed_held = self.kept_bytes = 0
         self.concatenated_bytes = self.concatenated_held = self.narrowed_bytes = self.narrowed_held = 0
@@ -566,7 +663,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     ``min_val=0``, Threshold with ``value=0``, Hardsigmoid): nonzero values
     plus a bitmap. A concatenation that begins with the previous one kept
     (DenseNet's) is kept as its pieces plus what it adds (*concatenated*,
-    with recompute), and an integer tensor only the graph holds (max-pool
+    with recompute), a max-pool output as the pool's input at its indices
+    (*pooled*, with recompute), and an integer tensor only the graph holds (max-pool
     indices) in the narrowest integer type that holds its values (*narrowed*,
     when the context exits). Data changed in place after the forward gives
     backward the values it had then, or PyTorch's in-place error; never the
@@ -575,7 +673,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     ``with`` gives the context, which counts what its hooks did (over all its
     blocks; each distinct tensor once): ``replayed``, ``replay_misses`` (recipes
     that failed their check; then compacted or kept), ``compacted``,
-    ``concatenated``, ``narrowed``, ``kept``
+    ``concatenated``, ``pooled``, ``narrowed``, ``kept``
     and ``kept_by_reason`` (``not_activation``, ``not_replayed``, ``too_small``
     (under 4096 elements), ``too_few_zeros``, ``unsupported``),
     ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
@@ -587,7 +685,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         min_saving (float): compact a tensor only if that saves at least this
             fraction of its bytes. Default: ``0.1``.
         recompute (bool): keep activation outputs after a BatchNorm as
-            recipes (CPU tensors), and concatenations in pieces. Default: ``True``.
+            recipes (CPU tensors), concatenations in pieces, max-pool outputs as their
+            input at their indices. Default: ``True``.
 
     Example::
 
@@ -633,7 +732,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
 
         def pack(t: Tensor) -> Any:
             why = _why_kept(t, recompute)
-            dim = _cat_dim(t) if recompute and why == "not_activation" else None
+            recipe = _rebuildable(t) if recompute and why == "not_activation" else None
             if why == "not_activation" and _narrowable(t):
                 packed = ints.get(id(t))
                 if packed is None or packed.version != t._version:
@@ -641,7 +740,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                     stats.keep(why, t)  # (until settled)
                 packed.pending += 1
                 return packed
-            if why is not None and dim is None:
+            if why is not None and recipe is None:
                 key = id(t)
                 ref = seen.get(key)
                 if ref is None or ref() is not t:
@@ -661,8 +760,10 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                 fn, packed, missed = t.grad_fn, None, False
                 zeros = _mostly_zeros(fn)
                 with torch.no_grad():
-                    if dim is not None:
-                        packed = _concatenation(t, dim, chains)
+                    if recipe == "CatBackward0":
+                        packed = _concatenation(t, _cat_dim(t), chains)
+                    elif recipe is not None:
+                        packed = _pooled(t, unpack)
                     elif recompute and _after_batchnorm(fn):
                         packed, missed = _replayed(t, unpack)
                     if packed is None and zeros:
@@ -676,6 +777,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                     stats.replayed += 1
                     stats.replayed_bytes += t.nbytes
                     stats.replayed_held += packed.nbytes
+                elif isinstance(packed, Pooled):
+                    stats.pooled += 1
+                    stats.pooled_bytes += t.nbytes
                 elif isinstance(packed, Concatenated):
                     if len(packed.pieces) == 1:
                         stats.keep("not_activation", t)  # (the first of a chain: as it is)
@@ -688,7 +792,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                     stats.compacted_bytes += t.nbytes
                     stats.compacted_held += packed.nbytes
                 else:
-                    stats.keep("too_few_zeros" if zeros else "not_replayed", t)
+                    stats.keep("not_activation" if recipe else "too_few_zeros" if zeros else "not_replayed", t)
             if hit[1] is None:
                 dense = _Dense(t)
                 if recompute:
@@ -742,6 +846,11 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         return self._stats.concatenated
 
     @property
+    def pooled(self) -> int:
+        """Distinct max-pool outputs saved for backward kept as recipes (the pool's input at its indices)."""
+        return self._stats.pooled
+
+    @property
     def narrowed(self) -> int:
         """Distinct integer tensors saved for backward (max-pool indices, ...) kept in a narrower integer type."""
         return self._stats.narrowed
@@ -760,7 +869,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     def bytes_saved_for_backward(self) -> int:
         """Bytes of the distinct tensors saved for backward: what the graph would hold without the hooks."""
         st = self._stats
-        return st.compacted_bytes + st.replayed_bytes + st.concatenated_bytes + st.narrowed_bytes + st.kept_bytes
+        return (st.compacted_bytes + st.replayed_bytes + st.concatenated_bytes + st.pooled_bytes + st.narrowed_bytes
+                + st.kept_bytes)
 
     @property
     def bytes_held(self) -> int:
@@ -772,7 +882,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     def report(self) -> str:
         """What the hooks did, in words (see the class documentation)."""
         st, total, held = self._stats, self.bytes_saved_for_backward, self.bytes_held
-        n = self.replayed + self.compacted + self.concatenated + self.narrowed + self.kept
+        n = self.replayed + self.compacted + self.concatenated + self.pooled + self.narrowed + self.kept
         share = f" ({100 * held / total:.1f}%)" if total else ""
         why = ", ".join(f"{k} {_REASONS[r]}" for r, k in st.kept_by_reason.items() if k)
         return "\n".join([
@@ -786,6 +896,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
             *([f"  concatenations: {st.concatenated} tensor{'s' * (st.concatenated != 1)}, "
                f"{_size(st.concatenated_bytes)} held in {_size(st.concatenated_held)} (each the one before it, "
                f"shared, and what it adds)"] if st.concatenated else []),
+            *([f"  max-pool outputs: {st.pooled} tensor{'s' * (st.pooled != 1)}, {_size(st.pooled_bytes)} held "
+               f"in 0 B (gathered from the pool's input at its indices)"] if st.pooled else []),
             *([f"  narrowed: {st.narrowed} integer tensor{'s' * (st.narrowed != 1)}, {_size(st.narrowed_bytes)} "
                f"held in {_size(st.narrowed_held)} (max-pool indices and the like, in a narrower integer type)"]
               if st.narrowed else []),
@@ -796,7 +908,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     def __repr__(self) -> str:
         return (
             f"<relu_ext.save_compact min_saving={self.min_saving} recompute={self.recompute} replayed={self.replayed} "
-            f"compacted={self.compacted} concatenated={self.concatenated} narrowed={self.narrowed} kept={self.kept} "
+            f"compacted={self.compacted} concatenated={self.concatenated} pooled={self.pooled} "
+            f"narrowed={self.narrowed} kept={self.kept} "
             f"bytes_saved_for_backward={self.bytes_saved_for_backward} bytes_held={self.bytes_held}>"
         )
 

@@ -220,7 +220,7 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
     """Bytes of the distinct storages the graph holds after forward (parameters and inputs
     aside), counted from what the saved-tensor hooks keep: exact, whatever the allocator.
     `counts` gets what a configuration's save_compact() did (replayed, replay_misses, compacted,
-    concatenated, narrowed, kept)."""
+    concatenated, pooled, narrowed, kept)."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
     seen: dict[int, int] = {}
@@ -247,7 +247,8 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
     del loss, packed
     if inner is not None and counts is not None:
         counts.update(replayed=inner.replayed, replay_misses=inner.replay_misses, compacted=inner.compacted,
-                      concatenated=inner.concatenated, narrowed=inner.narrowed, kept=inner.kept)
+                      concatenated=inner.concatenated, pooled=inner.pooled, narrowed=inner.narrowed,
+                      kept=inner.kept)
     return sum(seen.values())
 
 
