@@ -435,6 +435,41 @@ def test_max_pool_of_adversarial_data_stays_exact(dtype, layout):
         assert sc.pooled == 1, sc.report()
 
 
+class _PoolOfPool(torch.nn.Module):
+    """googlenet's pattern: a stage's max-pool output goes to a conv and to another max-pool (an
+    inception branch), whose output a conv keeps too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                        torch.nn.MaxPool2d(3, 2, ceil_mode=True))
+        self.branch1, self.branch2 = torch.nn.Conv2d(16, 4, 1), torch.nn.Conv2d(16, 4, 1)
+        self.pool = torch.nn.MaxPool2d(3, 1, padding=1, ceil_mode=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        return torch.cat([self.branch1(x), self.branch2(self.pool(x))], 1)
+
+
+def test_pool_of_pool_rebuilds_while_packing_and_keeps_nothing():
+    """The second pool's recipe is verified against the first pool's output rebuilt from its recipe:
+    nothing that rebuild reads is kept for backward then, and the first pool's indices are still
+    narrowed when the context exits (nothing else holds them); bitwise the same step."""
+    model = _PoolOfPool().train()
+    x = torch.randn(2, 3, 32, 32)
+    sc = relu_ext.save_compact()
+    packed: list[Any] = []
+    pack = sc.pack_hook
+    sc.pack_hook = lambda t: packed.append(pack(t)) or packed[-1]
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert (sc.pooled, sc.narrowed, sc.replayed) == (2, 2, 1), sc.report()
+    packed.clear()
+    with sc:
+        model(x)
+    assert all(getattr(p, "restored", None) is None for p in packed)
+
+
 def test_max_pool_input_changed_after_forward_raises():
     x = torch.randn(2, 8, 32, 32, requires_grad=True)
     for ctx in (relu_ext.save_compact(), contextlib.nullcontext()):

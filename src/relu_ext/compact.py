@@ -172,7 +172,8 @@ class _Shared:
         return t
 
     def live(self) -> Tensor:
-        """The saved tensor at pack time, to verify a recipe that reads this with (rebuilt here)."""
+        """The saved tensor while packing, to verify a recipe that reads this with: what is held
+        now, else rebuilt from what its sources hold now; nothing is kept for backward."""
         return self.current()
 
     def restore(self) -> Tensor:
@@ -251,14 +252,21 @@ class Replayed(_Shared):
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout (the BatchNorm input's)."""
+        return self._make(live=False)
+
+    def live(self) -> Tensor:
+        """The saved tensor while packing (see _Shared.live)."""
+        return self._make(live=True)
+
+    def _make(self, live: bool) -> Tensor:
         why = "relu_ext.save_compact rebuilds an activation output from this tensor, which changed after the forward"
         x, x2 = self.x, self.x2
-        if isinstance(x, _Shared):  # (a concatenation its BatchNorm's backward unpacks next: kept for it)
-            x = x.current(keep=True)
+        if isinstance(x, _Shared):  # (in backward: a concatenation its BatchNorm unpacks next, kept for it)
+            x = x.live() if live else x.current(keep=True)
         else:
             _check_version(x, self.version, why)
         if isinstance(x2, _Shared):
-            x2 = x2.current()
+            x2 = x2.live() if live else x2.current()
         elif x2 is not None:
             _check_version(x2, self.version2, why)
         return _ops.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
@@ -432,9 +440,17 @@ class Pooled(_Shared):
         self.iversion = indices._version if isinstance(indices, Tensor) else None
 
     def rebuild(self) -> Tensor:
-        """The saved tensor, bit for bit, in its own layout (the pool's backward, next, reads the same two)."""
+        """The saved tensor, bit for bit, in its own layout (the pool's backward, next, reads the same two:
+        kept for it)."""
+        return self._make(live=False)
+
+    def live(self) -> Tensor:
+        """The saved tensor while packing (see _Shared.live)."""
+        return self._make(live=True)
+
+    def _make(self, live: bool) -> Tensor:
         why = "relu_ext.save_compact rebuilds a max-pool output from this tensor, which changed after the forward"
-        x, indices = (s.current(keep=True) if isinstance(s, _Shared) else _checked(s, v, why)
+        x, indices = ((s.live() if live else s.current(keep=True)) if isinstance(s, _Shared) else _checked(s, v, why)
                       for s, v in ((self.x, self.version), (self.indices, self.iversion)))
         return _gathered(x, indices, self.size, self.stride)
 
@@ -546,7 +562,7 @@ def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, 
     if isinstance(packed, _Dense) and packed.tensor._version == packed.version:
         source = now = packed.tensor
     elif isinstance(packed, _Shared) and packed.depth == 1 and packed.fresh():  # (else: the in-place error, in backward)
-        source, now = packed, packed.current()
+        source, now = packed, packed.live()
     else:
         return None
     if not _like(now, t):
