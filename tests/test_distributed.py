@@ -1,5 +1,5 @@
-"""DDP (gloo, 2 processes on this machine): relu_ext.ReLU, nn.ReLU under relu_ext.install(), and
-nn.ReLU under relu_ext.save_compact() train with the same gradients as nn.ReLU; so do the family's
+"""DDP and FSDP2 (gloo, 2 processes on this machine): relu_ext.ReLU, nn.ReLU under relu_ext.install(),
+and nn.ReLU under relu_ext.save_compact() train with the same gradients as nn.ReLU; so do the family's
 ReLU6 and LeakyReLU, converted and installed, and BatchNorm -> ReLU outputs that save_compact()
 rebuilds from the BatchNorm."""
 
@@ -85,3 +85,68 @@ def test_ddp_gloo_matches_nn_relu(tmp_path):
     for a, b in zip(grads["bn_recompute"], grads["bn_ref"]):
         assert torch.equal(a, b)
     assert grads["replayed"] == 3 * 2  # 3 steps, 2 ReLU outputs each (the second one 64 x 64 = 4096 elements)
+
+
+def _fsdp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    """FSDP2 (fully_shard, each Linear and the whole model): parameters all-gathered for the forward,
+    gradients reduce-scattered; relu_ext's modules, install() and save_compact() inside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        out: dict[str, object] = {}
+        for name in ("ref", "ours", "installed", "compact", "bn_ref", "bn_recompute"):
+            hold = relu_ext.install() if name == "installed" else None
+            torch.manual_seed(0)
+            norm = name.startswith("bn")
+            layers = [torch.nn.Linear(16, 128), *([torch.nn.BatchNorm1d(128)] if norm else []), torch.nn.ReLU(),
+                      torch.nn.Linear(128, 64), *([torch.nn.BatchNorm1d(64)] if norm else []),
+                      torch.nn.ReLU6(inplace=True) if norm else torch.nn.LeakyReLU(0.1, inplace=True),
+                      torch.nn.Linear(64, 1)]
+            model = torch.nn.Sequential(*layers)
+            if name == "ours":
+                relu_ext.convert(model)
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            torch.manual_seed(100 + rank)  # each rank its own data
+            counts = [0, 0]
+            for _ in range(3):
+                opt.zero_grad()
+                sc = relu_ext.save_compact(min_saving=0.0) if name in ("compact", "bn_recompute") else None
+                with sc or contextlib.nullcontext():
+                    loss = model(torch.randn(64, 16)).square().mean()
+                if sc is not None:
+                    counts = [counts[0] + sc.compacted, counts[1] + sc.replayed]
+                loss.backward()
+                opt.step()
+            # Sharded (DTensor) parameters and gradients, gathered whole on every rank.
+            out[name] = [t.full_tensor().clone() for p in model.parameters() for t in (p.detach(), p.grad)]
+            out[name + "_nodes"] = _node_names(model(torch.randn(2, 16)))
+            out[name + "_counts"] = counts
+            if hold is not None:
+                hold.remove()
+        if rank == 0:
+            torch.save(out, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_gloo_matches_nn_relu(tmp_path):
+    out = tmp_path / "fsdp.pt"
+    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    assert len(got["ref"]) == 12 and len(got["bn_ref"]) == 20
+    for name, ref in (("ours", "ref"), ("installed", "ref"), ("compact", "ref"), ("bn_recompute", "bn_ref")):
+        assert len(got[name]) == len(got[ref]), name
+        for i, (a, b) in enumerate(zip(got[name], got[ref])):
+            assert torch.equal(a, b), (name, i)
+    for name in ("ours", "installed"):
+        assert {"ReluExtBackward0", "LeakyReluExtBackward0"} <= got[name + "_nodes"], got[name + "_nodes"]
+    assert "ReluBackward0" in got["ref_nodes"] and "ReluExtBackward0" not in got["ref_nodes"]
+    assert got["compact_counts"] == [3, 0]  # the ReLU output (the next Linear keeps it), each step
+    assert got["bn_recompute_counts"] == [0, 6]  # both activation outputs after a BatchNorm, each step

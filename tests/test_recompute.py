@@ -435,6 +435,46 @@ def test_max_pool_of_adversarial_data_stays_exact(dtype, layout):
         assert sc.pooled == 1, sc.report()
 
 
+class _PoolAfterAdd(torch.nn.Module):
+    """A max-pool of relu(bn(conv(x)) + bn2(conv2(x))): the pool's input is a recipe with a second term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(3, 8, 1)
+        self.bn_a, self.bn_b = torch.nn.BatchNorm2d(8), torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Conv2d(8, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.max_pool2d(torch.relu(self.bn_a(self.a(x)) + self.bn_b(self.b(x))), 3, 2, 1))
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["bn", "bn+bn"])
+def test_max_pool_recipe_is_verified_at_the_indices_only(second, monkeypatch):
+    """A max-pool output over a replayed input is verified from the BatchNorm inputs' elements at the
+    indices: packing rebuilds nothing of the pool input's size (that pass would cost as much as the
+    rebuild in backward); bitwise the same step."""
+    model = (_PoolAfterAdd() if second else torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1),
+        torch.nn.Conv2d(8, 4, 3))).train()
+    x = torch.randn(2, 3, 32, 32)
+    sizes: list[tuple[int, ...]] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            op = getattr(torch.ops.relu_ext, name)
+            if name != "bn_act_rebuild":
+                return op
+            return lambda x, *args: sizes.append(tuple(x.shape)) or op(x, *args)
+
+    monkeypatch.setattr(compact, "_ops", Spy())
+    sc = relu_ext.save_compact()
+    with sc:
+        model(x)
+    assert (sc.pooled, sc.replayed) == (1, 1) and sizes == [(2, 8, 16, 16)], (sc.report(), sizes)
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+
+
 class _PoolOfPool(torch.nn.Module):
     """googlenet's pattern: a stage's max-pool output goes to a conv and to another max-pool (an
     inception branch), whose output a conv keeps too."""
@@ -689,3 +729,45 @@ def test_real_densenet_keeps_concatenations_in_pieces():
     assert on.concatenated >= 30 and on.replay_misses == 0, on.report()
     assert on._stats.concatenated_held < on._stats.concatenated_bytes / 4, on.report()
     assert on.bytes_held < off.bytes_held - on._stats.concatenated_bytes / 2, (on.report(), off.report())
+
+
+class _PassThrough(torch.autograd.Function):
+    """What FSDP2 puts before each sharded module: its inputs returned as views of themselves."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@pytest.mark.parametrize("alias", ["function", "view_as", "slice"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_an_alias_of_an_activation_output_is_kept_as_it(alias, recompute):
+    """A layer that keeps a view of an activation output with all its elements (FSDP2's pass-through
+    Function, view_as, [:]) holds the same bits as the output itself: it is kept as that output, once
+    (a recipe or a compaction of it), not as a second full tensor; bitwise the same step. A view of
+    part of it is not an alias (kept as it is)."""
+    torch.manual_seed(0)
+    lin, bn, out = torch.nn.Linear(16, 128), torch.nn.BatchNorm1d(128), torch.nn.Linear(128, 4)
+    view = {"function": _PassThrough.apply, "view_as": lambda h: h.view_as(h), "slice": lambda h: h[:]}[alias]
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn, self.out = lin, bn, out
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.bn(self.lin(x)))  # (the ReLU keeps its output too)
+            return self.out(view(h)) + self.out(view(h)[:32].repeat(2, 1))
+
+    model, x = Net().train(), torch.randn(64, 16)
+    sc = relu_ext.save_compact(recompute=recompute)
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert (sc.replayed, sc.compacted) == ((1, 0) if recompute else (0, 1)), sc.report()
+    with relu_ext.save_compact(recompute=recompute) as plain:  # (the same, without the views)
+        h = torch.relu(bn(lin(x)))
+        (out(h) + out(h[:32].repeat(2, 1))).float().square().mean()
+    assert sc.bytes_held == plain.bytes_held and sc.bytes_saved_for_backward == plain.bytes_saved_for_backward

@@ -176,6 +176,10 @@ class _Shared:
         now, else rebuilt from what its sources hold now; nothing is kept for backward."""
         return self.current()
 
+    def gathered(self, indices: Tensor, size: Any, stride: Any) -> Tensor:
+        """live()'s elements at max-pool `indices` (see _gathered), to verify a Pooled recipe with."""
+        return _gathered(self.live(), indices, size, stride)
+
     def restore(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
         t = self.current()
@@ -258,7 +262,22 @@ class Replayed(_Shared):
         """The saved tensor while packing (see _Shared.live)."""
         return self._make(live=True)
 
+    def gathered(self, indices: Tensor, size: Any, stride: Any) -> Tensor:
+        """The recipe's elements at max-pool `indices`, made from its sources' elements there: a
+        pool's output rebuilt without the pool's input (a pass over the whole input saved). Not float16:
+        the replay's vector and scalar conversions round NaN payloads apart, so its bits can depend on
+        an element's position; only the same positions compare there."""
+        x, x2 = self._sources(live=True)
+        if x.dtype == torch.float16:
+            return super().gathered(indices, size, stride)
+        x, x2 = (None if s is None else _gathered(s, indices, size, stride) for s in (x, x2))
+        return _ops.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
+
     def _make(self, live: bool) -> Tensor:
+        x, x2 = self._sources(live)
+        return _ops.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
+
+    def _sources(self, live: bool) -> tuple[Tensor, Tensor | None]:
         why = "relu_ext.save_compact rebuilds an activation output from this tensor, which changed after the forward"
         x, x2 = self.x, self.x2
         if isinstance(x, _Shared):  # (in backward: a concatenation its BatchNorm unpacks next, kept for it)
@@ -269,7 +288,7 @@ class Replayed(_Shared):
             x2 = x2.live() if live else x2.current()
         elif x2 is not None:
             _check_version(x2, self.version2, why)
-        return _ops.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
+        return x, x2
 
     def fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
@@ -484,16 +503,15 @@ def _gathered(x: Tensor, indices: Tensor, size: Any, stride: Any) -> Tensor:
     return out
 
 
-def _saved(saved: Any, unpack: Any) -> tuple[Tensor | _Shared, Tensor] | None:
-    """What a node saved, as a recipe may read it (a tensor, or this context's own form of it, still
-    fresh) and as a tensor now (to verify the recipe with), without unpacking it; None for what other
-    hooks packed."""
+def _source(saved: Any, unpack: Any) -> Tensor | _Shared | None:
+    """What a node saved, as a recipe may read it: a tensor, or this context's own form of it, still
+    fresh; without unpacking it. None for what other hooks packed."""
     x = _peek(saved, unpack)
     if x is not None:
-        return x.detach(), x.detach()
+        return x.detach()
     data = saved.data
     if saved.unpack_hook is unpack and isinstance(data, _Shared) and data.fresh():
-        return data, data.live()
+        return data
     return None
 
 
@@ -502,12 +520,16 @@ def _pooled(t: Tensor, unpack: Any) -> Pooled | None:
     if t.dim() != 4 or t.device.type != "cpu":
         return None
     fn = t.grad_fn
-    x, indices = _saved(fn._raw_saved_self, unpack), _saved(fn._raw_saved_result1, unpack)
-    if x is None or indices is None or x[1].dim() != 4 or x[1].dtype != t.dtype or indices[1].shape != t.shape:
+    x, indices = _source(fn._raw_saved_self, unpack), _source(fn._raw_saved_result1, unpack)
+    if x is None or indices is None:
         return None
-    if not _C.same_bits(_gathered(x[1], indices[1], t.size(), t.stride()), t):
+    at = indices.live() if isinstance(indices, _Shared) else indices
+    if at.shape != t.shape or (isinstance(x, Tensor) and (x.dim() != 4 or x.dtype != t.dtype)):
         return None
-    return Pooled(x[0], indices[0], t)
+    now = x.gathered(at, t.size(), t.stride()) if isinstance(x, _Shared) else _gathered(x, at, t.size(), t.stride())
+    if now.dtype != t.dtype or not _C.same_bits(now, t):
+        return None
+    return Pooled(x, indices, t)
 
 
 def _peek(saved: Any, unpack: Any) -> Tensor | None:
@@ -747,6 +769,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         chains = self._chains = {}
 
         def pack(t: Tensor) -> Any:
+            base = t._base
+            if base is not None and _alias(t, base):
+                t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
             why = _why_kept(t, recompute)
             recipe = _rebuildable(t) if recompute and why == "not_activation" else None
             if why == "not_activation" and _narrowable(t):
@@ -950,6 +975,13 @@ def _why_kept(t: Tensor, recompute: bool) -> str | None:
     if not _is_dense(t):
         return "unsupported"
     return None
+
+
+def _alias(t: Tensor, base: Tensor) -> bool:
+    """Whether view `t` has every element of its `base` where the base has it: the same bits, always,
+    and the same version counter; saved as the base (a recipe or compaction of the base is one of it)."""
+    return (t.dtype == base.dtype and t.storage_offset() == base.storage_offset() and t.shape == base.shape
+            and t.stride() == base.stride())
 
 
 def _narrowable(t: Tensor) -> bool:
