@@ -568,6 +568,8 @@ def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tenso
         return None
     bias_fn = bn.next_functions[2][0] if len(bn.next_functions) > 2 else None
     bias = getattr(bias_fn, "variable", None)  # an AccumulateGrad's parameter; else none (or frozen: verified)
+    if bias_fn is not None and bias is None:
+        return None  # a bias computed in the graph (FSDP's views of its flat parameter), which no node keeps
     alpha, beta = _ops.bn_terms(
         None if weight is None else weight.detach(), None if bias is None else bias.detach(), mean.detach(),
         var.detach(), training, float(bn._saved_eps), t.dtype)
