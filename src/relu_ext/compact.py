@@ -269,12 +269,13 @@ class Replayed(_Shared):
         an element's position; only the same positions compare there."""
         x, x2 = self._sources(live=True)
         if x.dtype == torch.float16:
-            return super().gathered(indices, size, stride)
-        x, x2 = (None if s is None else _gathered(s, indices, size, stride) for s in (x, x2))
-        return _ops.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
+            return _gathered(self._replay(x, x2), indices, size, stride)
+        return self._replay(*(None if s is None else _gathered(s, indices, size, stride) for s in (x, x2)))
 
     def _make(self, live: bool) -> Tensor:
-        x, x2 = self._sources(live)
+        return self._replay(*self._sources(live))
+
+    def _replay(self, x: Tensor, x2: Tensor | None) -> Tensor:
         return _ops.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
 
     def _sources(self, live: bool) -> tuple[Tensor, Tensor | None]:

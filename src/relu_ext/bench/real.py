@@ -362,17 +362,6 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
     return rows
 
 
-def vs_eager(compiled: list[dict[str, Any]], eager: list[dict[str, Any]]) -> None:
-    """Gives each compiled configuration its held bytes vs eager nn.ReLU's (``held_vs_eager``) where
-    the memory section of the same run measured that model and dtype: what a user choosing between
-    compiling and eager relu_ext compares (held bytes are counted exactly, so the ratio is too)."""
-    base = {(r["model"], r["dtype"]): r["results"][CONFIGS[0]]["held_bytes"] for r in eager}
-    for row in compiled:
-        held = base.get((row["model"], row["dtype"]))
-        for m in row["results"].values():
-            m["held_vs_eager"] = m["held_bytes"] / held if held else None
-
-
 def steps(dtypes: int, models: int, configs: int, rounds: int) -> int:
     """Progress steps of run()."""
     return (configs + models * dtypes * configs * (1 + rounds)) if models else 0
