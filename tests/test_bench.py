@@ -513,7 +513,9 @@ def test_compiled_section(monkeypatch):
     for m in row["results"].values():
         assert m["held_bytes"] > 0 and math.isclose(m["held_vs_torch"], m["held_bytes"] / base["held_bytes"])
         assert math.isclose(m["vs_torch"], statistics.median(a / b for a, b in zip(m["rounds_s"], base["rounds_s"])))
+        assert m["held_vs_eager"] is None  # (no memory section in this run)
     assert "real models under torch.compile (aot_eager): value and vs compile nn.ReLU" in report.format_tables(res)
+    assert "held vs eager" not in report.format_tables(res)
 
 
 def test_compiled_configurations_run_what_they_say():
@@ -530,6 +532,29 @@ def test_compiled_configurations_run_what_they_say():
     assert plain._orig_mod is model
     with torch.no_grad():
         assert_bitwise_equal(real.loss_of(ext, x), real.loss_of(plain, x))
+
+
+def test_held_bytes_leave_out_copies_of_parameters():
+    """A saved copy of a parameter in another layout (what Inductor keeps of conv weights) is left
+    out as the parameter itself is; a saved tensor of a parameter's shape with other values is not."""
+
+    class Conv(torch.nn.Conv2d):
+        def __init__(self, layout: torch.memory_format | None, scale: float = 1.0) -> None:
+            super().__init__(8, 8, 3, padding=1)
+            self.layout, self.scale = layout, scale
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.weight if self.layout is None else (self.weight * self.scale).contiguous(memory_format=self.layout)
+            return torch.nn.functional.conv2d(torch.relu(x), w, self.bias, padding=1)
+
+    x = torch.randn(4, 8, 16, 16)
+    plain, copied, other = Conv(None), Conv(torch.channels_last), Conv(torch.channels_last, 2.0)
+    for m in (copied, other):
+        m.load_state_dict(plain.state_dict())
+    held = {name: real.held_bytes(m, x, "nn.ReLU") for name, m in
+            (("plain", plain), ("copied", copied), ("other", other))}
+    assert held["copied"] == held["plain"] > 0
+    assert held["other"] == held["plain"] + plain.weight.nbytes
 
 
 USER_MODEL = """
@@ -586,6 +611,10 @@ def test_user_model_runs_every_configuration(user_model, monkeypatch):
     assert all(len(m["rounds_s"]) == 2 and m["peak_bytes"] == 1000 for m in row["results"].values())
     (compiled,) = res["compiled"]["models"]
     assert compiled["model"] == target and list(compiled["results"]) == real.COMPILED_CONFIGS
+    # Both sections ran: the compiled rows are also compared with eager nn.ReLU's held bytes.
+    for m in compiled["results"].values():
+        assert math.isclose(m["held_vs_eager"], m["held_bytes"] / held["nn.ReLU"])
+    assert "held vs eager nn.ReLU (memory section), compile nn.ReLU / compile relu_ext:" in report.format_tables(res)
     assert [s["config"] for s in specs] == real.CONFIGS + real.COMPILED_CONFIGS
     assert all(s["models"] == [target] and s["shapes"] == {target: [2, 3, 8, 8]} and str(folder) in s["path"]
                for s in specs)

@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                  config["budget_s"], config["max_spread"], progress,
                                                  real.COMPILED_CONFIGS, config["compile_backend"],
                                                  config["input_shapes"])}
+        real.vs_eager(result["compiled"]["models"], result.get("memory", {}).get("models", []))
     rows = result.get("kernels", []) + result.get("family", []) + result.get("small", [])
     timing.mark_copy_low(rows, config["copy_low"])
     timed_models = result.get("models", []) + result.get("memory", {}).get("models", []) \

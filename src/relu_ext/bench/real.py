@@ -217,19 +217,29 @@ def installing(config: str) -> Callable[[], Any]:
 
 
 def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int] | None = None) -> int:
-    """Bytes of the distinct storages the graph holds after forward (parameters and inputs
-    aside), counted from what the saved-tensor hooks keep: exact, whatever the allocator.
-    `counts` gets what a configuration's save_compact() did (replayed, replay_misses, compacted,
-    concatenated, pooled, narrowed, kept)."""
+    """Bytes of the distinct storages the graph holds after forward (parameters, copies of them and
+    inputs aside), counted from what the saved-tensor hooks keep: exact, whatever the allocator.
+    A copy of a parameter (the same shape, dtype and values in another storage: Inductor keeps
+    channels-last copies of conv weights) is left out as the parameter is, so that eager and compiled
+    graphs count the same thing, their activations. `counts` gets what a configuration's
+    save_compact() did (replayed, replay_misses, compacted, concatenated, pooled, narrowed, kept)."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
+    params: dict[tuple[Any, ...], list[Tensor]] = {}
+    for p in model.parameters():
+        params.setdefault((p.shape, p.dtype, p.device), []).append(p.detach())
     seen: dict[int, int] = {}
 
     def record(tensors: tuple[Tensor, ...]) -> None:
         for t in tensors:
             s = t.untyped_storage()
-            if s.data_ptr() not in skip:
-                seen[s.data_ptr()] = s.nbytes()
+            if s.data_ptr() in skip:
+                continue
+            like = params.get((t.shape, t.dtype, t.device), [])
+            if any(torch.equal(t, p) for p in like):
+                skip.add(s.data_ptr())
+                continue
+            seen[s.data_ptr()] = s.nbytes()
 
     inner = saving(config)
     packed: list[Any] = []
@@ -360,6 +370,17 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
             del model, inputs, run_as, steps
             forget_compiled()
     return rows
+
+
+def vs_eager(compiled: list[dict[str, Any]], eager: list[dict[str, Any]]) -> None:
+    """Gives each compiled configuration its held bytes vs eager nn.ReLU's (``held_vs_eager``) where
+    the memory section of the same run measured that model and dtype: what a user choosing between
+    compiling and eager relu_ext compares (held bytes are counted exactly, so the ratio is too)."""
+    base = {(r["model"], r["dtype"]): r["results"][CONFIGS[0]]["held_bytes"] for r in eager}
+    for row in compiled:
+        held = base.get((row["model"], row["dtype"]))
+        for m in row["results"].values():
+            m["held_vs_eager"] = m["held_bytes"] / held if held else None
 
 
 def steps(dtypes: int, models: int, configs: int, rounds: int) -> int:

@@ -7,6 +7,7 @@ import datetime
 import platform
 import re
 import subprocess
+import textwrap
 from typing import Any, Callable
 
 import torch
@@ -167,7 +168,7 @@ def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training
                      + (_mark(m["marks"]) if label == "step ms" else " ") for m in r["results"].values()]
             lines.append(f"{name[:lead]:{lead}} {label:9}" + "".join(cells))
     methods = {m["peak_method"] for r in rows for m in r["results"].values()}
-    lines.append("  held: distinct storages kept by saved tensors (parameters and inputs aside), exact")
+    lines.append("  held: distinct storages kept by saved tensors (parameters, copies of them and inputs aside), exact")
     lines.append(f"  peak: {', '.join(sorted(methods))}"[:WIDTH])
     return lines
 
@@ -210,6 +211,12 @@ def format_tables(result: dict[str, Any]) -> str:
     if compiled:
         lines += memory_lines(compiled["models"], f"real models under torch.compile "
                                                   f"({result['config'].get('compile_backend', 'inductor')})")
+        vs = [f"{r['model']} {r['dtype']} " + " / ".join(f"{m['held_vs_eager']:.2f}" for m in r["results"].values())
+              for r in compiled["models"] if all(m.get("held_vs_eager") for m in r["results"].values())]
+        if vs:
+            configs = " / ".join(compiled["models"][0]["results"])
+            lines += [f"  held vs eager nn.ReLU (memory section), {configs}:"[:WIDTH],
+                      *textwrap.wrap("; ".join(vs), WIDTH, initial_indent="    ", subsequent_indent="    ")]
     models = result.get("models", [])
     if models:
         lines += ["", "training step time (forward, loss, backward, SGD), ms, time vs torch"]
