@@ -483,9 +483,9 @@ def test_small_section_has_installed_rows(result):
 
 def test_held_bytes_count_what_the_graph_saves():
     """nn.ReLU's held bytes are exactly the saved storages that models.saved_bytes counts
-    (parameters and inputs aside); compaction's count is what its packed objects keep."""
+    (parameters, buffers and inputs aside); compaction's count is what its packed objects keep."""
     model, x = real.build("resnet18", torch.float32, "cpu", quick=True)
-    direct = models.saved_bytes(lambda: real.loss_of(model, x), list(model.parameters()) + [x])
+    direct = models.saved_bytes(lambda: real.loss_of(model, x), [*model.parameters(), *model.buffers(), x])
     assert real.held_bytes(model, x, "nn.ReLU") == direct
     assert real.held_bytes(model, x, "nn.ReLU+compact") < 0.9 * direct
     counts: dict[str, int] = {}

@@ -217,13 +217,14 @@ def installing(config: str) -> Callable[[], Any]:
 
 
 def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int] | None = None) -> int:
-    """Bytes of the distinct storages the graph holds after forward (parameters, copies of them and
-    inputs aside), counted from what the saved-tensor hooks keep: exact, whatever the allocator.
+    """Bytes of the distinct storages the graph holds after forward (parameters, copies of them,
+    buffers and inputs aside), counted from what the saved-tensor hooks keep: exact, whatever the
+    allocator.
     A copy of a parameter (the same shape, dtype and values in another storage: Inductor keeps
     channels-last copies of conv weights) is left out as the parameter is, so that eager and compiled
     graphs count the same thing, their activations. `counts` gets what a configuration's
     save_compact() did (replayed, replay_misses, compacted, concatenated, pooled, narrowed, kept)."""
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}  # (running statistics)
     skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
     params: dict[tuple[Any, ...], list[Tensor]] = {}
     for p in model.parameters():

@@ -168,7 +168,8 @@ def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training
                      + (_mark(m["marks"]) if label == "step ms" else " ") for m in r["results"].values()]
             lines.append(f"{name[:lead]:{lead}} {label:9}" + "".join(cells))
     methods = {m["peak_method"] for r in rows for m in r["results"].values()}
-    lines.append("  held: distinct storages kept by saved tensors (parameters, copies of them and inputs aside), exact")
+    lines.append("  held: distinct storages kept by saved tensors (parameters, copies of them, buffers and inputs aside), "
+                 "exact")
     lines.append(f"  peak: {', '.join(sorted(methods))}"[:WIDTH])
     return lines
 
