@@ -786,3 +786,24 @@ def test_an_alias_of_an_activation_output_is_kept_as_it(alias, recompute):
         h = torch.relu(bn(lin(x)))
         (out(h) + out(h[:32].repeat(2, 1))).float().square().mean()
     assert sc.bytes_held == plain.bytes_held and sc.bytes_saved_for_backward == plain.bytes_saved_for_backward
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_negated_view_is_not_an_alias(recompute):
+    """torch._neg_view of an activation output has its base's bits and geometry but other values: a
+    layer that keeps it gets it as it is (kept), never the base; bitwise the same step."""
+    torch.manual_seed(0)
+    bn, lin = torch.nn.BatchNorm1d(128), torch.nn.Linear(128, 4)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.lin = bn, lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch._neg_view(torch.relu(self.bn(x))))
+
+    model, x = Net().train(), torch.randn(64, 128)
+    sc = relu_ext.save_compact(recompute=recompute)
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert sc.kept_by_reason["not_activation"] >= 1, sc.report()

@@ -982,9 +982,10 @@ def _why_kept(t: Tensor, recompute: bool) -> str | None:
 
 def _alias(t: Tensor, base: Tensor) -> bool:
     """Whether view `t` has every element of its `base` where the base has it: the same bits, always,
-    and the same version counter; saved as the base (a recipe or compaction of the base is one of it)."""
-    return (t.dtype == base.dtype and t.storage_offset() == base.storage_offset() and t.shape == base.shape
-            and t.stride() == base.stride())
+    and the same version counter; saved as the base (a recipe or compaction of the base is one of it).
+    Not a negated or conjugated view (torch._neg_view, conj()): the same bits, other values."""
+    return (type(t) is type(base) and t.dtype == base.dtype and t.storage_offset() == base.storage_offset() and t.shape == base.shape
+            and t.stride() == base.stride() and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj())
 
 
 def _narrowable(t: Tensor) -> bool:
