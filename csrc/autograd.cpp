@@ -44,6 +44,20 @@ at::Tensor nonzero_mask_autograd(const at::Tensor& y) {
   return nonzero_mask_op().call(y);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> binary_mask_autograd(const at::Tensor& y) {
+  check_not_differentiable(y, "relu_ext::binary_mask", "y");
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return binary_mask_op().call(y);
+}
+
+at::Tensor binary_expand_autograd(const at::Tensor& mask, const at::Tensor& value, c10::SymIntArrayRef size,
+                                  c10::SymIntArrayRef stride) {
+  check_not_differentiable(value, "relu_ext::binary_expand", "value");
+  check_layout_and_device(mask, "relu_ext::binary_expand", "mask");
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return binary_expand_op().call(mask, value, size, stride);
+}
+
 // The replay ops rebuild saved tensors: not differentiable either.
 std::tuple<at::Tensor, at::Tensor> bn_terms_autograd(const std::optional<at::Tensor>& weight,
                                                      const std::optional<at::Tensor>& bias, const at::Tensor& mean,
@@ -88,6 +102,8 @@ TORCH_LIBRARY_IMPL(relu_ext, Autograd, m) {
   m.impl("compact", &compact_autograd);
   m.impl("expand", &expand_autograd);
   m.impl("nonzero_mask", &nonzero_mask_autograd);  // a mask is not differentiable
+  m.impl("binary_mask", &binary_mask_autograd);
+  m.impl("binary_expand", &binary_expand_autograd);
   m.impl("bn_terms", &bn_terms_autograd);
   m.impl("bn_act_verify", &bn_act_verify_autograd);
   m.impl("bn_act_rebuild", &bn_act_rebuild_autograd);

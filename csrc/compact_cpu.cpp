@@ -1,8 +1,10 @@
 // Compaction of a dense tensor by a bitmap, on the CPU (save_compact): the
 // kept elements in memory order (compact), their inverse (expand: dropped
-// elements become +0), and the bitmap of nonzero elements. Elements move as
-// the unsigned integers of their width, so every bit pattern (NaN payloads,
-// -0.0, denormals) survives. Bitmaps follow the mask layout of relu.h.
+// elements become +0), the bitmap of nonzero elements, and a tensor of +0
+// and one other bit pattern as that bitmap and the pattern (binary_mask /
+// binary_expand). Elements move as the unsigned integers of their width, so
+// every bit pattern (NaN payloads, -0.0, denormals) survives. Bitmaps follow
+// the mask layout of relu.h.
 //
 // Work is split into chunks of kChunkBytes mask bytes: a first pass counts
 // each chunk's kept elements (popcounts of the mask alone), an exclusive sum
@@ -578,6 +580,94 @@ bool same_bits_cpu(const at::Tensor& a, const at::Tensor& b) {
   return !differ.load();
 }
 
+namespace {
+
+// Two-valued tensors (binary_mask / binary_expand): one pass each. The
+// portable code serves the scalar set and the tensor's partial last byte; the
+// AVX-512 set runs the AVX2 code (these passes are bound by memory).
+// binary_chunk: the nonzero bitmap of mask bytes [b0, b1), and whether every
+// nonzero element there is v.
+template <typename U>
+bool binary_chunk(const U* y, int64_t n, int64_t b0, int64_t b1, U v, uint8_t* mask) {
+  unsigned other = 0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t base = b * 8;
+    const int count = static_cast<int>(std::min<int64_t>(8, n - base));
+    unsigned m = 0;
+    for (int j = 0; j < count; ++j) {
+      m |= unsigned(y[base + j] != 0) << j;
+      other |= unsigned(y[base + j] != 0 && y[base + j] != v);
+    }
+    mask[b] = static_cast<uint8_t>(m);
+  }
+  return other == 0;
+}
+
+template <typename U>
+void fill_chunk(const uint8_t* mask, int64_t n, int64_t b0, int64_t b1, U v, U* out) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const unsigned m = mask_byte(mask, b, n);
+    const int count = static_cast<int>(std::min<int64_t>(8, n - b * 8));
+    for (int j = 0; j < count; ++j) out[b * 8 + j] = ((m >> j) & 1u) ? v : U(0);
+  }
+}
+
+#ifdef RELU_X86
+RELU_AVX2 inline __m128i splat(uint16_t v) { return _mm_set1_epi16(static_cast<short>(v)); }
+RELU_AVX2 inline __m256i splat(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
+RELU_AVX2 inline __m256i splat(uint64_t v) { return _mm256_set1_epi64x(static_cast<long long>(v)); }
+RELU_AVX2 inline __m128i xor_of(__m128i a, __m128i b) { return _mm_xor_si128(a, b); }
+RELU_AVX2 inline __m256i xor_of(__m256i a, __m256i b) { return _mm256_xor_si256(a, b); }
+RELU_AVX2 inline __m128i and_of(__m128i a, __m128i b) { return _mm_and_si128(a, b); }
+RELU_AVX2 inline __m256i and_of(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+
+// All-ones lanes where bits of m (S of them, lane j <- bit j) are set.
+RELU_AVX2 inline __m128i lanes_of(unsigned m, uint16_t) {
+  const __m128i bit = _mm_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm_cmpeq_epi16(_mm_and_si128(_mm_set1_epi16(static_cast<short>(m)), bit), bit);
+}
+RELU_AVX2 inline __m256i lanes_of(unsigned m, uint32_t) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(m)), bit), bit);
+}
+RELU_AVX2 inline __m256i lanes_of(unsigned m, uint64_t) {
+  const __m256i bit = _mm256_setr_epi64x(1, 2, 4, 8);
+  return _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(m), bit), bit);
+}
+
+template <typename U>
+RELU_AVX2 bool binary_chunk_avx2(const U* y, int64_t n, int64_t b0, int64_t b1, U v, uint8_t* mask) {
+  using St = Step<U>;
+  const auto value = splat(v);
+  unsigned other = 0;
+  const int64_t full = std::min(b1, n / 8);
+  for (int64_t b = b0; b < full; ++b) {
+    unsigned m = 0, differ = 0;
+    for (int h = 0; h < 8; h += St::S) {
+      const auto x = St::load(y + b * 8 + h);
+      m |= St::nonzero(x) << h;
+      differ |= St::nonzero(xor_of(x, value)) << h;
+    }
+    mask[b] = static_cast<uint8_t>(m);
+    other |= m & differ;
+  }
+  return binary_chunk<U>(y, n, std::max(b0, full), b1, v, mask) && other == 0;
+}
+
+template <typename U>
+RELU_AVX2 void fill_chunk_avx2(const uint8_t* mask, int64_t n, int64_t b0, int64_t b1, U v, U* out) {
+  using St = Step<U>;
+  const auto value = splat(v);
+  const int64_t full = std::min(b1, n / 8);
+  for (int64_t b = b0; b < full; ++b) {
+    for (int h = 0; h < 8; h += St::S) St::store(out + b * 8 + h, and_of(lanes_of(mask[b] >> h, U{}), value));
+  }
+  fill_chunk<U>(mask, n, std::max(b0, full), b1, v, out);
+}
+#endif
+
+}  // namespace
+
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask) {
   const int64_t n = y.numel();
   const Isa set = cpu_kernels();
@@ -590,6 +680,48 @@ void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask) {
       if (set == kAvx2) return nonzero_chunk_avx2<U>(in, n, b0, b1, mask);
 #endif
       nonzero_chunk<U>(in, n, b0, b1, mask);
+    });
+  });
+}
+
+bool binary_mask_cpu(const at::Tensor& y, uint8_t* mask, const at::Tensor& value) {
+  const int64_t n = y.numel();
+  const Isa set = cpu_kernels();
+  std::atomic<bool> other{false};
+  dispatch_width(y, [&](auto u) {
+    using U = decltype(u);
+    const U* in = static_cast<const U*>(y.const_data_ptr());
+    int64_t first = 0;
+    while (first < n && in[first] == 0) ++first;
+    const U v = first < n ? in[first] : U(0);
+    std::memcpy(value.data_ptr(), &v, sizeof(U));
+    for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) {
+      if (other.load(std::memory_order_relaxed)) return;  // (a tensor that is not two-valued stops early)
+#ifdef RELU_X86
+      const bool two = set != kScalar ? binary_chunk_avx2<U>(in, n, b0, b1, v, mask)
+                                      : binary_chunk<U>(in, n, b0, b1, v, mask);
+#else
+      const bool two = binary_chunk<U>(in, n, b0, b1, v, mask);
+#endif
+      if (!two) other = true;
+    });
+  });
+  return !other.load();
+}
+
+void binary_expand_cpu(const uint8_t* mask, const at::Tensor& value, const at::Tensor& out) {
+  const int64_t n = out.numel();
+  const Isa set = cpu_kernels();
+  dispatch_width(out, [&](auto u) {
+    using U = decltype(u);
+    U v;
+    std::memcpy(&v, value.const_data_ptr(), sizeof(U));
+    U* dst = static_cast<U*>(out.data_ptr());
+    for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) {
+#ifdef RELU_X86
+      if (set != kScalar) return fill_chunk_avx2<U>(mask, n, b0, b1, v, dst);
+#endif
+      fill_chunk<U>(mask, n, b0, b1, v, dst);
     });
   });
 }

@@ -142,6 +142,33 @@ at::Tensor nonzero_mask(const at::Tensor& y) {
   return mask;
 }
 
+// A tensor of +0 and one other bit pattern (save_compact's TwoValued). CPU
+// kernels only so far: CUDA's dropout keeps a bool mask, not such a tensor.
+void check_cpu_binary(const at::Tensor& t, const char* op, const char* arg) {
+  check_compactable(t, op, arg);
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", arg, " is on ", t.device(),
+              "; the two-valued packing has CPU kernels only so far");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> binary_mask(const at::Tensor& y) {
+  check_cpu_binary(y, "relu_ext::binary_mask", "y");
+  at::Tensor mask = new_mask(y), value = at::empty({}, y.options());
+  const bool ok = binary_mask_cpu(y, mask.data_ptr<uint8_t>(), value);
+  return {mask, value, at::scalar_tensor(ok, y.options().dtype(at::kBool))};
+}
+
+at::Tensor binary_expand(const at::Tensor& mask, const at::Tensor& value, c10::SymIntArrayRef size,
+                         c10::SymIntArrayRef stride) {
+  check_cpu_binary(value, "relu_ext::binary_expand", "value");
+  TORCH_CHECK(value.dim() == 0, "relu_ext::binary_expand: value must be a scalar (0-dim), got shape ", value.sizes());
+  at::Tensor out = at::empty_strided_symint(size, stride, value.options());
+  TORCH_CHECK(out.is_non_overlapping_and_dense(), "relu_ext::binary_expand: size ", out.sizes(), " and stride ",
+              out.strides(), " are not a dense layout");
+  check_compaction_mask(mask, out, "relu_ext::binary_expand");
+  binary_expand_cpu(mask.const_data_ptr<uint8_t>(), value, out);
+  return out;
+}
+
 // --- Replay (save_compact's recipes for activations after a BatchNorm) ----------
 
 void check_cpu_replay(const at::Tensor& t, const char* op, const char* arg) {
@@ -254,6 +281,11 @@ TORCH_LIBRARY(relu_ext, m) {
   m.def("compact(Tensor y, Tensor mask) -> (Tensor values, Tensor missed)");
   m.def("expand(Tensor values, Tensor mask, SymInt[] size, SymInt[] stride) -> Tensor");
   m.def("nonzero_mask(Tensor y) -> Tensor");
+  // A dense tensor of +0 and at most one other bit pattern (CPU dropout's
+  // noise) as its nonzero_mask and that pattern (a scalar), `ok` false when y
+  // has a second nonzero pattern (the mask is then unfinished); and back.
+  m.def("binary_mask(Tensor y) -> (Tensor mask, Tensor value, Tensor ok)");
+  m.def("binary_expand(Tensor mask, Tensor value, SymInt[] size, SymInt[] stride) -> Tensor");
   // save_compact's recipes: an activation output after a BatchNorm rebuilt from
   // the BatchNorm's input and per-channel terms, as PyTorch's CPU kernels
   // computed it (replay_cpu.cpp): the terms, a bit-for-bit check against the
@@ -273,13 +305,17 @@ TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
   m.impl("compact", &compact);
   m.impl("expand", &expand);
   m.impl("nonzero_mask", &nonzero_mask);
+  m.impl("binary_mask", &binary_mask);
+  m.impl("binary_expand", &binary_expand);
   m.impl("bn_terms", &bn_terms);
   m.impl("bn_act_verify", &bn_act_verify);
   m.impl("bn_act_rebuild", &bn_act_rebuild);
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
-  // The replay: CPU kernels only; a CUDA tensor gets the wrappers' device check and its message.
+  // The replay and two-valued packing: CPU kernels only; a CUDA tensor gets the wrappers' device check.
+  m.impl("binary_mask", &binary_mask);
+  m.impl("binary_expand", &binary_expand);
   m.impl("bn_terms", &bn_terms);
   m.impl("bn_act_verify", &bn_act_verify);
   m.impl("bn_act_rebuild", &bn_act_rebuild);

@@ -22,6 +22,7 @@ namespace relu_ext {
 using CompactFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
 using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef);
 using NonzeroMaskFn = at::Tensor(const at::Tensor&);
+using BinaryMaskFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&);
 using BnTermsFn = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                                      const at::Tensor&, const at::Tensor&, bool, double, at::ScalarType);
 using OptTensor = std::optional<at::Tensor>;
@@ -44,6 +45,8 @@ c10::TypedOperatorHandle<Fn> find_op(const char* name) {
 RELU_EXT_OP_HANDLE(compact_op, "compact", CompactFn)
 RELU_EXT_OP_HANDLE(expand_op, "expand", ExpandFn)
 RELU_EXT_OP_HANDLE(nonzero_mask_op, "nonzero_mask", NonzeroMaskFn)
+RELU_EXT_OP_HANDLE(binary_mask_op, "binary_mask", BinaryMaskFn)
+RELU_EXT_OP_HANDLE(binary_expand_op, "binary_expand", ExpandFn)
 RELU_EXT_OP_HANDLE(bn_terms_op, "bn_terms", BnTermsFn)
 RELU_EXT_OP_HANDLE(bn_act_verify_op, "bn_act_verify", BnActVerifyFn)
 RELU_EXT_OP_HANDLE(bn_act_rebuild_op, "bn_act_rebuild", BnActRebuildFn)

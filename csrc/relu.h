@@ -103,6 +103,13 @@ void set_cpu_isa(const std::string& name);
 at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed);
 void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out);
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask);
+// A tensor of +0 and at most one other bit pattern (CPU dropout's noise: 0
+// and 1 / (1 - p)): binary_mask writes its nonzero_mask and that pattern into
+// `value` (a scalar of y's dtype; +0 when there is none), and returns false,
+// the mask then unfinished, when y has a second nonzero pattern;
+// binary_expand is the inverse into `out`.
+bool binary_mask_cpu(const at::Tensor& y, uint8_t* mask, const at::Tensor& value);
+void binary_expand_cpu(const uint8_t* mask, const at::Tensor& value, const at::Tensor& out);
 // Whether a and b (CPU, the same sizes and dtype, any strides) hold the same
 // bits (compact_cpu.cpp; save_compact's check that a concatenation begins
 // with the one before it). torch.equal compares numbers (NaN != NaN), one

@@ -401,6 +401,163 @@ def test_integer_tensor_changed_in_place_raises_pytorchs_error():
             pooled.sum().backward()
 
 
+# --- tensors of zeros and one other value (CPU dropout's noise): a bitmap ---------------------
+
+def _two_valued(n: int, dtype: torch.dtype, value: float | int, seed: int, p: float = 0.5) -> torch.Tensor:
+    """n elements, each +0 or `value` (a float, or an int: the bit pattern), at random."""
+    g = torch.Generator().manual_seed(seed)
+    v = (torch.tensor([value]).to(_INT[dtype.itemsize]).view(dtype) if isinstance(value, int)  # (wraps: the low bytes)
+         else torch.tensor([value], dtype=dtype))
+    return torch.where(torch.rand(n, generator=g) < p, v, torch.zeros(1, dtype=dtype))
+
+
+# Bit patterns of 4 bytes (others are taken as floats): 1 / 0.9, a NaN with a payload, -0.0,
+# a denormal, -inf; all-ones bits (the value's own NaN).
+_VALUES = [1 / 0.9, 0x7FC01234, 0x80000000, 0x00000003, float("-inf"), 0xFFFFFFFF]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", OP_SIZES)
+def test_binary_ops_against_a_reference(n, dtype, cpu_isa):
+    """binary_mask gives nonzero_mask's bitmap and the one nonzero bit pattern; binary_expand gives
+    the tensor back bit for bit (every element written: with every bit set, an unwritten element
+    would read +0 or the poison of the memory freed before it)."""
+    for k, value in enumerate(_VALUES):
+        for p in (0.5, 1.0):
+            y = _two_valued(n, dtype, value, seed=n + k, p=p)
+            mask, v, ok = _ops.binary_mask(y)
+            assert bool(ok) and v.dim() == 0 and v.dtype == dtype
+            assert torch.equal(mask, _ops.nonzero_mask(y))
+            nonzero = _bits(y)[_bits(y) != 0]
+            assert _bits(v.view(1)).item() == (nonzero[0].item() if len(nonzero) else 0)
+            del y
+            torch.full((n,), -1, dtype=_INT[dtype.itemsize]).view(dtype)  # (poison, freed)
+            got = _ops.binary_expand(mask, v, [n], [1])
+            assert torch.equal(_bits(got), _bits(_two_valued(n, dtype, value, seed=n + k, p=p)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_binary_mask_rejects_a_second_value(dtype, cpu_isa):
+    """A second nonzero bit pattern anywhere (first element, last, another chunk; -0.0 next to +x;
+    a NaN payload next to another) gives ok False; all zeros gives +0 and an empty bitmap."""
+    n = 32768 * 3 + 5
+    for where in (0, 1, 4096, 32768, 70000, n - 1):
+        for other in (2.0, -0.0, float("nan")):
+            y = _two_valued(n, dtype, 1.0, seed=where)
+            y[where] = other
+            assert not bool(_ops.binary_mask(y)[2]), (where, other)
+    zeros = torch.zeros(n, dtype=dtype)
+    mask, v, ok = _ops.binary_mask(zeros)
+    assert bool(ok) and not bool(mask.any()) and _bits(v.view(1)).item() == 0
+
+
+def test_binary_ops_keep_layouts(cpu_isa):
+    for y in (_two_valued(4 * 16 * 144, torch.float32, 1.25, 0).view(4, 16, 12, 12).contiguous(memory_format=torch.channels_last),
+              _two_valued(64 * 48, torch.float32, 2.0, 1).view(64, 48).t(),
+              _two_valued(70001, torch.float64, 3.0, 2)[1:]):  # unaligned
+        mask, v, ok = _ops.binary_mask(y)
+        got = _ops.binary_expand(mask, v, y.shape, y.stride())
+        assert bool(ok) and got.stride() == y.stride()
+        assert_bitwise_equal(got, y)
+
+
+def test_binary_ops_reject_bad_input():
+    y = _two_valued(100, torch.float32, 2.0, 0)
+    mask, v, _ = _ops.binary_mask(y)
+    bad = [
+        (lambda: _ops.binary_mask(y.int()), "y has dtype Int; compaction takes float32"),
+        (lambda: _ops.binary_mask(torch.randn(200)[::2]), "y must be dense"),
+        (lambda: _ops.binary_mask(torch.randn(3, 3).to_sparse()), "y has layout Sparse"),
+        (lambda: _ops.binary_expand(mask[:5], v, y.shape, y.stride()), "mask has shape \\[5\\] but the tensor has 100"),
+        (lambda: _ops.binary_expand(mask, v.view(1), y.shape, y.stride()), "value must be a scalar"),
+        (lambda: _ops.binary_expand(mask, v, (10, 10), (1, 1)), "are not a dense layout"),
+        (lambda: _ops.binary_expand(mask.int(), v, y.shape, y.stride()), "mask has dtype Int; expected uint8"),
+        (lambda: _ops.binary_mask(y.requires_grad_()), "y requires grad, but compaction is not differentiable"),
+    ]
+    if torch.cuda.is_available():
+        bad.append((lambda: _ops.binary_mask(y.detach().cuda()), "has CPU kernels only so far"))
+    for call, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("op", ["binary_mask", "binary_expand"])
+def test_binary_opcheck(op):
+    y = _two_valued(4 * 8 * 25, torch.float32, 2.0, 0).view(4, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    mask, v, _ = _ops.binary_mask(y)
+    args = {"binary_mask": (y,), "binary_expand": (mask, v, list(y.shape), list(y.stride()))}[op]
+    torch.library.opcheck(getattr(_ops, op).default, args)
+
+
+class _Dropouts(torch.nn.Module):
+    """Dropout as PyTorch runs it on the CPU (its graph keeps a noise tensor of 0 and 1 / (1 - p)),
+    around a ReLU and a Linear; `mask` (held by the module) multiplied in as well."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(64, 64).to(dtype)
+        self.mask = torch.where(torch.rand(128, 64) < 0.5, 0.0, -1e4).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.relu(self.lin(x)), 0.1, training=True)
+        return F.dropout(self.lin(h) * self.mask, 0.2, training=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_dropout_noise_kept_as_a_bitmap(dtype):
+    """The two noise tensors (only the graph holds them) are kept as bitmaps when the context exits;
+    the module's mask, held elsewhere, as it is; the step is bitwise the same, twice (retain_graph)."""
+    model = _Dropouts(dtype)
+    x = torch.randn(128, 64, dtype=dtype)
+    sc = relu_ext.save_compact()
+    got = train_step(model, x, sc, retain_graph=True)
+    want = train_step(model, x, contextlib.nullcontext(), retain_graph=True)
+    assert_same_step(got, want)
+    assert sc.two_valued == 2 and "two-valued: 2 tensors" in sc.report(), sc.report()
+    noise, bitmaps = 2 * x.nbytes, 2 * (x.numel() // 8 + x.element_size())
+    assert sc.bytes_saved_for_backward - sc.bytes_held >= noise - bitmaps, sc.report()
+
+
+@pytest.mark.parametrize("when", ["inside", "after"])
+def test_two_valued_tensor_changed_in_place_raises_pytorchs_error(when):
+    """Changed in place after it was saved, inside the block (then not kept as a bitmap, even
+    if the caller lets go of it) or after it (the caller holds it): PyTorch's error."""
+    w = torch.randn(8192, requires_grad=True)
+    for ctx in (relu_ext.save_compact(), contextlib.nullcontext()):
+        noise = torch.where(torch.rand(8192) < 0.5, 0.0, 2.0)
+        with ctx:
+            z = (w * noise).sum()
+            if when == "inside":
+                noise.mul_(2)
+                del noise
+        if when == "after":
+            noise.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.backward()
+        if isinstance(ctx, relu_ext.save_compact):
+            assert ctx.two_valued == 0
+
+
+def test_two_valued_not_kept_on_cuda_or_when_a_node_made_it():
+    """Only tensors no node made (a tensor with a grad_fn may be an activation output, handled
+    elsewhere) and only on the CPU (CUDA: no kernel; its dropout keeps a bool mask)."""
+    w = torch.randn(8192, requires_grad=True)
+    with relu_ext.save_compact() as sc:
+        plain = torch.where(w > 0, 2.0, 0.0)  # (no node: w > 0 is not differentiable)
+        made = w * 0 + 2  # all 2.0, AddBackward0's output
+        z = (plain * w).sum() + (made * w).sum()
+        del plain, made
+    z.backward()
+    assert sc.two_valued == 1, sc.report()  # where's result only
+    assert_bitwise_equal(w.grad, torch.where(w > 0, 2.0, 0.0) + 2)
+    if torch.cuda.is_available():
+        w = w.detach().cuda().requires_grad_()
+        with relu_ext.save_compact() as sc:
+            z = (torch.where(w > 0, 2.0, 0.0) * w).sum()
+        assert sc.two_valued == 0 and sc.kept == 1, sc.report()
+
+
 def _cnn(act: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(

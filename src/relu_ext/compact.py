@@ -40,9 +40,12 @@ features, saved by its BatchNorm) is kept as that one's pieces, shared,
 plus a copy of what it adds, verified bit for bit when packed
 (``Concatenated``), and a max-pool output kept by the next layer as the
 pool's input at its indices, both kept by the pool's node (``Pooled``).
-And always: an integer tensor that only the graph holds
-(max-pool indices) is kept in the narrowest integer type that holds its
-values, decided when the context exits (``Narrowed``).
+And always, decided when the context exits, a tensor that only the graph
+holds is kept smaller: an integer one (max-pool indices) in the narrowest
+integer type that holds its values (``Narrowed``), a floating-point one that
+no node made, of +0 and one other bit pattern (CPU dropout's noise, 0 and
+1 / (1 - p), 4 bytes an element where CUDA's dropout keeps a bool) as a bitmap
+and that pattern (``TwoValued``, ``relu_ext::binary_mask`` / ``binary_expand``).
 """
 
 from __future__ import annotations
@@ -390,38 +393,47 @@ def _cat_dim(t: Tensor) -> int:
 _NARROWER = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32)
 
 
-class Narrowed(_Shared):
-    """A saved integer tensor (max-pool indices, gather indices) kept in the narrowest integer
-    type that holds all its values, and widened back for backward, bit for bit, in its own layout.
+class _Settled(_Shared):
+    """A saved tensor kept in a smaller form decided when the context exits (``settle()``).
 
-    Until the context exits it holds the tensor itself: only then is it known whether the graph
-    is its only holder (max-pool indices: yes; a user's token ids: no, and a narrowed copy would
-    add bytes, not save them). ``settle()`` decides then."""
+    Until then it holds the tensor itself: only then is it known whether the graph is its only
+    holder (max-pool indices, CPU dropout's noise: yes; a user's token ids or mask: no, and a
+    smaller copy would add bytes, not save them)."""
 
-    __slots__ = ("tensor", "version", "dtype", "narrow")
+    __slots__ = ("tensor", "version", "small")
 
     def __init__(self, t: Tensor) -> None:
         super().__init__(t.nbytes)
         self.tensor: Tensor | None = t
-        self.version, self.dtype, self.narrow = t._version, t.dtype, None
+        self.version, self.small = t._version, None
+
+    def _shrink(self, t: Tensor) -> Any:
+        """The smaller form of `t`, exact, or None."""
+        raise NotImplementedError
+
+    def _grow(self) -> Tensor:
+        """The tensor again, bit for bit, in its own layout, from the smaller form."""
+        raise NotImplementedError
+
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting)."""
+        return (self.tensor,) if self.tensor is not None else self.small
 
     def settle(self) -> bool:
-        """Keep the narrowed copy instead of the tensor where that is exact and frees it; whether it did."""
+        """Keep the smaller form instead of the tensor where that is exact and frees it; whether it did."""
         t = self.tensor
         if t is None or t._version != self.version:  # (changed in place: restore() raises PyTorch's error)
             return False
-        lo, hi = (int(v) for v in torch.aminmax(t))
-        bits = torch.iinfo(t.dtype).bits
-        fits = [d for d in _NARROWER if torch.iinfo(d).bits < bits and torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
-        if not fits:
+        small = self._shrink(t)
+        if small is None:
             return False
-        narrow = t.to(fits[0])  # (preserve_format: a dense tensor keeps its strides)
         alive = weakref.ref(t)
         self.tensor = t = None
         self.tensor = alive()  # (a tensor held elsewhere, in Python or C++, keeps its Python object alive)
         if self.tensor is not None:
             return False
-        self.narrow, self.nbytes = narrow, narrow.nbytes
+        self.small = small
+        self.nbytes = sum(h.nbytes for h in small)
         return True
 
     def rebuild(self) -> Tensor:
@@ -429,20 +441,54 @@ class Narrowed(_Shared):
         if self.tensor is not None:
             _check_version(self.tensor, self.version, "checked by relu_ext.save_compact, which saved it as it was")
             return self.tensor
-        assert self.narrow is not None
-        return self.narrow.to(self.dtype)
+        return self._grow()
 
     def fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensor, until settled, is at the version it had."""
         return self.tensor is None or self.tensor._version == self.version
 
     def live(self) -> Tensor:
-        """The saved tensor (not widened again while the tensor itself is held)."""
+        """The saved tensor (not rebuilt while the tensor itself is held)."""
         return self.tensor if self.tensor is not None else self.current()
 
-    def held(self) -> tuple[Tensor, ...]:
-        """The tensors this keeps alive (for memory accounting)."""
-        return (self.tensor,) if self.tensor is not None else (self.narrow,)
+
+class Narrowed(_Settled):
+    """A saved integer tensor (max-pool indices, gather indices) kept in the narrowest integer
+    type that holds all its values, and widened back for backward."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, t: Tensor) -> None:
+        super().__init__(t)
+        self.dtype = t.dtype
+
+    def _shrink(self, t: Tensor) -> tuple[Tensor] | None:
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        bits = torch.iinfo(t.dtype).bits
+        fits = [d for d in _NARROWER if torch.iinfo(d).bits < bits and torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
+        return (t.to(fits[0]),) if fits else None  # (preserve_format: a dense tensor keeps its strides)
+
+    def _grow(self) -> Tensor:
+        return self.small[0].to(self.dtype)
+
+
+class TwoValued(_Settled):
+    """A saved floating-point tensor of +0 and one other bit pattern that no node made (CPU
+    dropout's noise: 0 and 1 / (1 - p)), kept as the bitmap of its nonzero elements and that
+    pattern (``relu_ext::binary_mask``; CPU)."""
+
+    __slots__ = ("size", "stride")
+
+    def __init__(self, t: Tensor) -> None:
+        super().__init__(t)
+        self.size, self.stride = t.size(), t.stride()
+
+    def _shrink(self, t: Tensor) -> tuple[Tensor, Tensor] | None:
+        mask, value, ok = _ops.binary_mask(t)
+        return (mask, value) if bool(ok) else None
+
+    def _grow(self) -> Tensor:
+        return _ops.binary_expand(*self.small, self.size, self.stride)
 
 
 class Pooled(_Shared):
@@ -543,6 +589,8 @@ def _peek(saved: Any, unpack: Any) -> Tensor | None:
         return data
     if hook is unpack and isinstance(data, _Dense) and data.tensor._version == data.version:
         return data.tensor
+    if hook is unpack and isinstance(data, TwoValued) and data.tensor is not None and data.fresh():
+        return data.tensor  # (a model's input, held as it is until the exit; a recipe's reference keeps it so)
     return None
 
 
@@ -666,12 +714,14 @@ _REASONS = {
 class _Stats:
     """What a save_compact's pack hook did (kept apart from the context: the hook holds this, not the context)."""
 
-    __slots__ = ("compacted", "replayed", "replay_misses", "concatenated", "pooled", "narrowed", "kept_by_reason",
+    __slots__ = ("compacted", "replayed", "replay_misses", "concatenated", "pooled", "narrowed", "two_valued",
+                 "two_valued_bytes", "two_valued_held", "kept_by_reason",
                  "compacted_bytes", "compacted_held", "replayed_bytes", "replayed_held", "concatenated_bytes",
                  "concatenated_held", "pooled_bytes", "narrowed_bytes", "narrowed_held", "kept_bytes")
 
     def __init__(self) -> None:
         self.compacted = self.replayed = self.replay_misses = self.concatenated = self.pooled = self.narrowed = 0
+        self.two_valued = self.two_valued_bytes = self.two_valued_held = 0
         self.pooled_bytes = 0
         self.kept_by_reason = dict.fromkeys(_REASONS, 0)
         self.compacted_bytes = self.compacted_held = self.replayed_bytes = self.replayed_held = self.kept_bytes = 0
@@ -705,16 +755,16 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     plus a bitmap. A concatenation that begins with the previous one kept
     (DenseNet's) is kept as its pieces plus what it adds (*concatenated*,
     with recompute), a max-pool output as the pool's input at its indices
-    (*pooled*, with recompute), and an integer tensor only the graph holds (max-pool
-    indices) in the narrowest integer type that holds its values (*narrowed*,
-    when the context exits). Data changed in place after the forward gives
-    backward the values it had then, or PyTorch's in-place error; never the
-    changed data.
+    (*pooled*, with recompute). At the exit, what only the graph holds: integer
+    tensors (max-pool indices) in the narrowest type that holds them (*narrowed*),
+    tensors of +0 and one other value that no node made (CPU dropout's noise) as
+    a bitmap (*two_valued*). Data changed in place after the forward gives
+    backward the values it had then or PyTorch's in-place error, never new data.
 
     ``with`` gives the context, which counts what its hooks did (over all its
     blocks; each distinct tensor once): ``replayed``, ``replay_misses`` (recipes
     that failed their check; then compacted or kept), ``compacted``,
-    ``concatenated``, ``pooled``, ``narrowed``, ``kept``
+    ``concatenated``, ``pooled``, ``narrowed``, ``two_valued``, ``kept``
     and ``kept_by_reason`` (``not_activation``, ``not_replayed``, ``too_small``
     (under 4096 elements), ``too_few_zeros``, ``unsupported``),
     ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
@@ -765,9 +815,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         prune_at = [1024]
         stats = self._stats = _Stats()
         kept_by_reason = stats.kept_by_reason
-        # Integer tensors to narrow when the context exits (settle()): id -> its Narrowed,
-        # which holds the tensor until then (so the id stays its own).
-        ints = self._ints = {}
+        # Tensors to keep smaller when the context exits (settle()): id -> its Narrowed or
+        # TwoValued, which holds the tensor until then (so the id stays its own).
+        settling = self._settling = {}
         # The last concatenation kept in pieces, by its dimension and its other sizes (_concatenation).
         chains = self._chains = {}
 
@@ -777,10 +827,11 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                 t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
             why = _why_kept(t, recompute)
             recipe = _rebuildable(t) if recompute and why == "not_activation" else None
-            if why == "not_activation" and _narrowable(t):
-                packed = ints.get(id(t))
+            form = _settled_form(t) if why == "not_activation" else None
+            if form is not None:
+                packed = settling.get(id(t))
                 if packed is None or packed.version != t._version:
-                    packed = ints[id(t)] = Narrowed(t)
+                    packed = settling[id(t)] = form(t)
                     stats.keep(why, t)  # (until settled)
                 packed.pending += 1
                 return packed
@@ -858,15 +909,20 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(*args)
         st = self._stats
         with torch.no_grad():
-            for packed in self._ints.values():
+            for packed in self._settling.values():
+                full = packed.nbytes
                 if packed.settle():
-                    full = packed.narrow.numel() * packed.dtype.itemsize
                     st.kept_by_reason["not_activation"] -= 1
                     st.kept_bytes -= full
-                    st.narrowed += 1
-                    st.narrowed_bytes += full
-                    st.narrowed_held += packed.nbytes
-        self._ints.clear()
+                    if isinstance(packed, Narrowed):
+                        st.narrowed += 1
+                        st.narrowed_bytes += full
+                        st.narrowed_held += packed.nbytes
+                    else:
+                        st.two_valued += 1
+                        st.two_valued_bytes += full
+                        st.two_valued_held += packed.nbytes
+        self._settling.clear()
         self._chains.clear()
 
     @property
@@ -900,6 +956,12 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         return self._stats.narrowed
 
     @property
+    def two_valued(self) -> int:
+        """Distinct floating-point tensors saved for backward that no node made, of +0 and one other value
+        (CPU dropout's noise), kept as a bitmap and that value."""
+        return self._stats.two_valued
+
+    @property
     def kept(self) -> int:
         """Distinct tensors saved for backward as they are (``kept_by_reason`` says why)."""
         return sum(self._stats.kept_by_reason.values())
@@ -914,19 +976,21 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         """Bytes of the distinct tensors saved for backward: what the graph would hold without the hooks."""
         st = self._stats
         return (st.compacted_bytes + st.replayed_bytes + st.concatenated_bytes + st.pooled_bytes + st.narrowed_bytes
-                + st.kept_bytes)
+                + st.two_valued_bytes + st.kept_bytes)
 
     @property
     def bytes_held(self) -> int:
         """Bytes the graph holds for them: tensors kept as they are, the compacted ones' values and bitmaps,
-        the recipes' per-channel terms, the concatenations' own pieces, the narrowed integer tensors."""
+        the recipes' per-channel terms, the concatenations' own pieces, the narrowed integer tensors, the
+        two-valued tensors' bitmaps."""
         st = self._stats
-        return st.compacted_held + st.replayed_held + st.concatenated_held + st.narrowed_held + st.kept_bytes
+        return (st.compacted_held + st.replayed_held + st.concatenated_held + st.narrowed_held + st.two_valued_held
+                + st.kept_bytes)
 
     def report(self) -> str:
         """What the hooks did, in words (see the class documentation)."""
         st, total, held = self._stats, self.bytes_saved_for_backward, self.bytes_held
-        n = self.replayed + self.compacted + self.concatenated + self.pooled + self.narrowed + self.kept
+        n = self.replayed + self.compacted + self.concatenated + self.pooled + self.narrowed + self.two_valued + self.kept
         share = f" ({100 * held / total:.1f}%)" if total else ""
         why = ", ".join(f"{k} {_REASONS[r]}" for r, k in st.kept_by_reason.items() if k)
         return "\n".join([
@@ -945,6 +1009,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
             *([f"  narrowed: {st.narrowed} integer tensor{'s' * (st.narrowed != 1)}, {_size(st.narrowed_bytes)} "
                f"held in {_size(st.narrowed_held)} (max-pool indices and the like, in a narrower integer type)"]
               if st.narrowed else []),
+            *([f"  two-valued: {st.two_valued} tensor{'s' * (st.two_valued != 1)}, {_size(st.two_valued_bytes)} "
+               f"held in {_size(st.two_valued_held)} (zeros and one other value, such as CPU dropout's noise, as a "
+               f"bitmap)"] if st.two_valued else []),
             f"  kept as they are: {self.kept} tensor{'s' * (self.kept != 1)}, {_size(st.kept_bytes)}"
             + (f": {why}" if why else ""),
         ])
@@ -953,7 +1020,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         return (
             f"<relu_ext.save_compact min_saving={self.min_saving} recompute={self.recompute} replayed={self.replayed} "
             f"compacted={self.compacted} concatenated={self.concatenated} pooled={self.pooled} "
-            f"narrowed={self.narrowed} kept={self.kept} "
+            f"narrowed={self.narrowed} two_valued={self.two_valued} kept={self.kept} "
             f"bytes_saved_for_backward={self.bytes_saved_for_backward} bytes_held={self.bytes_held}>"
         )
 
@@ -988,17 +1055,25 @@ def _alias(t: Tensor, base: Tensor) -> bool:
             and t.stride() == base.stride() and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj())
 
 
-def _narrowable(t: Tensor) -> bool:
-    """Whether `t` is an integer tensor that may be kept narrower (see Narrowed)."""
-    return (
-        t.dtype in (torch.int64, torch.int32, torch.int16)
-        and type(t) is torch.Tensor
+def _settled_form(t: Tensor) -> type[_Settled] | None:
+    """The form `t` may be kept in if only the graph holds it when the context exits: an integer
+    tensor narrower (Narrowed), a floating-point one that no node made as a bitmap (TwoValued, CPU)."""
+    if t.dtype in (torch.int64, torch.int32, torch.int16):
+        form, devices = Narrowed, ("cpu", "cuda")
+    elif t.is_floating_point() and t.grad_fn is None and not t.requires_grad:
+        form, devices = TwoValued, ("cpu",)
+    else:
+        return None
+    if (
+        type(t) is torch.Tensor
         and t.layout == torch.strided
-        and t.device.type in ("cpu", "cuda")
+        and t.device.type in devices
         and t.numel() >= _MIN_NUMEL
         and not t._is_view()  # (its base's storage may be held elsewhere)
         and _is_dense(t)
-    )
+    ):
+        return form
+    return None
 
 
 def _is_dense(t: Tensor) -> bool:

@@ -42,6 +42,16 @@ def _nonzero_mask_fake(y: Tensor) -> Tensor:
     return y.new_empty((_mask_numel(y),), dtype=torch.uint8)
 
 
+@torch.library.register_fake("relu_ext::binary_mask")
+def _binary_mask_fake(y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return y.new_empty((_mask_numel(y),), dtype=torch.uint8), y.new_empty(()), y.new_empty((), dtype=torch.bool)
+
+
+@torch.library.register_fake("relu_ext::binary_expand")
+def _binary_expand_fake(mask: Tensor, value: Tensor, size: list[int], stride: list[int]) -> Tensor:
+    return value.new_empty_strided(size, stride)
+
+
 @torch.library.register_fake("relu_ext::bn_terms")
 def _bn_terms_fake(weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, training: bool, eps: float,
                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:

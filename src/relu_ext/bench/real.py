@@ -223,7 +223,7 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
     A copy of a parameter (the same shape, dtype and values in another storage: Inductor keeps
     channels-last copies of conv weights) is left out as the parameter is, so that eager and compiled
     graphs count the same thing, their activations. `counts` gets what a configuration's
-    save_compact() did (replayed, replay_misses, compacted, concatenated, pooled, narrowed, kept)."""
+    save_compact() did (replayed, replay_misses, compacted, concatenated, pooled, narrowed, two_valued, kept)."""
     skip = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}  # (running statistics)
     skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
     params: dict[tuple[Any, ...], list[Tensor]] = {}
@@ -259,7 +259,7 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
     if inner is not None and counts is not None:
         counts.update(replayed=inner.replayed, replay_misses=inner.replay_misses, compacted=inner.compacted,
                       concatenated=inner.concatenated, pooled=inner.pooled, narrowed=inner.narrowed,
-                      kept=inner.kept)
+                      two_valued=inner.two_valued, kept=inner.kept)
     return sum(seen.values())
 
 
