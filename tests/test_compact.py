@@ -506,37 +506,44 @@ class _Dropouts(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
 def test_dropout_noise_kept_as_a_bitmap(dtype):
-    """The two noise tensors (only the graph holds them) are kept as bitmaps when the context exits;
-    the module's mask, held elsewhere, as it is; the step is bitwise the same, twice (retain_graph)."""
+    """The two noise tensors and the module's mask are kept as bitmaps (the mask, held by the
+    module, stays too); the step is bitwise the same, twice (retain_graph)."""
     model = _Dropouts(dtype)
     x = torch.randn(128, 64, dtype=dtype)
     sc = relu_ext.save_compact()
     got = train_step(model, x, sc, retain_graph=True)
     want = train_step(model, x, contextlib.nullcontext(), retain_graph=True)
     assert_same_step(got, want)
-    assert sc.two_valued == 2 and "two-valued: 2 tensors" in sc.report(), sc.report()
-    noise, bitmaps = 2 * x.nbytes, 2 * (x.numel() // 8 + x.element_size())
+    assert sc.two_valued == 3 and "two-valued: 3 tensors" in sc.report(), sc.report()
+    noise, bitmaps = 3 * x.nbytes, 3 * (x.numel() // 8 + x.element_size())
     assert sc.bytes_saved_for_backward - sc.bytes_held >= noise - bitmaps, sc.report()
 
 
-@pytest.mark.parametrize("when", ["inside", "after"])
-def test_two_valued_tensor_changed_in_place_raises_pytorchs_error(when):
-    """Changed in place after it was saved, inside the block (then not kept as a bitmap, even
-    if the caller lets go of it) or after it (the caller holds it): PyTorch's error."""
+def test_two_valued_tensor_changed_in_place():
+    """Changed in place after it was saved: backward raises PyTorch's error while the tensor
+    lives (its holder changed it), and gets the values the forward used once it is gone; never
+    the changed values."""
     w = torch.randn(8192, requires_grad=True)
+    noise = torch.where(torch.rand(8192) < 0.5, 0.0, 2.0)
     for ctx in (relu_ext.save_compact(), contextlib.nullcontext()):
-        noise = torch.where(torch.rand(8192) < 0.5, 0.0, 2.0)
         with ctx:
-            z = (w * noise).sum()
-            if when == "inside":
-                noise.mul_(2)
-                del noise
-        if when == "after":
-            noise.mul_(2)
+            z = (w * noise.clone()).sum()
+            held = noise.clone()
+            z2 = (w * held).sum()
+        held.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            z.backward()
-        if isinstance(ctx, relu_ext.save_compact):
-            assert ctx.two_valued == 0
+            z2.backward()
+        w.grad = None
+        z.backward()
+        assert torch.equal(w.grad, noise)
+    with relu_ext.save_compact() as sc:
+        gone = noise.clone()
+        z = (w * gone).sum()
+        gone.mul_(2)
+        del gone
+    w.grad = None
+    z.backward()
+    assert sc.two_valued == 1 and torch.equal(w.grad, noise)
 
 
 def test_two_valued_not_kept_on_cuda_or_when_a_node_made_it():
@@ -556,6 +563,19 @@ def test_two_valued_not_kept_on_cuda_or_when_a_node_made_it():
         with relu_ext.save_compact() as sc:
             z = (torch.where(w > 0, 2.0, 0.0) * w).sum()
         assert sc.two_valued == 0 and sc.kept == 1, sc.report()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.bool], ids=str)
+def test_two_valued_leaves_other_dtypes_alone(dtype):
+    """A tensor of 0 and 2 in a dtype the kernels do not take is saved as it is, not an error."""
+    x = torch.randn(8, requires_grad=True)
+    t = torch.where(torch.rand(8192) < 0.5, 0.0, 2.0).to(dtype)
+    _SavesInts.restored = []
+    with relu_ext.save_compact() as sc:
+        out = _SavesInts.apply(x, lambda: [t.clone()])
+    assert (sc.two_valued, sc.kept) == (0, 1), sc.report()
+    out.sum().backward()
+    assert torch.equal(_SavesInts.restored[0].view(torch.uint8), t.view(torch.uint8))
 
 
 def _cnn(act: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:

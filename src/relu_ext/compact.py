@@ -40,12 +40,13 @@ features, saved by its BatchNorm) is kept as that one's pieces, shared,
 plus a copy of what it adds, verified bit for bit when packed
 (``Concatenated``), and a max-pool output kept by the next layer as the
 pool's input at its indices, both kept by the pool's node (``Pooled``).
-And always, decided when the context exits, a tensor that only the graph
-holds is kept smaller: an integer one (max-pool indices) in the narrowest
-integer type that holds its values (``Narrowed``), a floating-point one that
-no node made, of +0 and one other bit pattern (CPU dropout's noise, 0 and
-1 / (1 - p), 4 bytes an element where CUDA's dropout keeps a bool) as a bitmap
-and that pattern (``TwoValued``, ``relu_ext::binary_mask`` / ``binary_expand``).
+And always: an integer tensor that only the graph holds
+(max-pool indices) is kept in the narrowest integer type that holds its
+values, decided when the context exits (``Narrowed``); and a floating-point
+tensor that no node made, of +0 and one other bit pattern (CPU dropout's
+noise, 0 and 1 / (1 - p), 4 bytes an element where CUDA's dropout keeps a
+bool), as the bitmap of its nonzero elements and that pattern, from when it
+is saved (``TwoValued``, ``relu_ext::binary_mask`` / ``binary_expand``).
 """
 
 from __future__ import annotations
@@ -393,47 +394,38 @@ def _cat_dim(t: Tensor) -> int:
 _NARROWER = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32)
 
 
-class _Settled(_Shared):
-    """A saved tensor kept in a smaller form decided when the context exits (``settle()``).
+class Narrowed(_Shared):
+    """A saved integer tensor (max-pool indices, gather indices) kept in the narrowest integer
+    type that holds all its values, and widened back for backward, bit for bit, in its own layout.
 
-    Until then it holds the tensor itself: only then is it known whether the graph is its only
-    holder (max-pool indices, CPU dropout's noise: yes; a user's token ids or mask: no, and a
-    smaller copy would add bytes, not save them)."""
+    Until the context exits it holds the tensor itself: only then is it known whether the graph
+    is its only holder (max-pool indices: yes; a user's token ids: no, and a narrowed copy would
+    add bytes, not save them). ``settle()`` decides then."""
 
-    __slots__ = ("tensor", "version", "small")
+    __slots__ = ("tensor", "version", "dtype", "narrow")
 
     def __init__(self, t: Tensor) -> None:
         super().__init__(t.nbytes)
         self.tensor: Tensor | None = t
-        self.version, self.small = t._version, None
-
-    def _shrink(self, t: Tensor) -> Any:
-        """The smaller form of `t`, exact, or None."""
-        raise NotImplementedError
-
-    def _grow(self) -> Tensor:
-        """The tensor again, bit for bit, in its own layout, from the smaller form."""
-        raise NotImplementedError
-
-    def held(self) -> tuple[Tensor, ...]:
-        """The tensors this keeps alive (for memory accounting)."""
-        return (self.tensor,) if self.tensor is not None else self.small
+        self.version, self.dtype, self.narrow = t._version, t.dtype, None
 
     def settle(self) -> bool:
-        """Keep the smaller form instead of the tensor where that is exact and frees it; whether it did."""
+        """Keep the narrowed copy instead of the tensor where that is exact and frees it; whether it did."""
         t = self.tensor
         if t is None or t._version != self.version:  # (changed in place: restore() raises PyTorch's error)
             return False
-        small = self._shrink(t)
-        if small is None:
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        bits = torch.iinfo(t.dtype).bits
+        fits = [d for d in _NARROWER if torch.iinfo(d).bits < bits and torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
+        if not fits:
             return False
+        narrow = t.to(fits[0])  # (preserve_format: a dense tensor keeps its strides)
         alive = weakref.ref(t)
         self.tensor = t = None
         self.tensor = alive()  # (a tensor held elsewhere, in Python or C++, keeps its Python object alive)
         if self.tensor is not None:
             return False
-        self.small = small
-        self.nbytes = sum(h.nbytes for h in small)
+        self.narrow, self.nbytes = narrow, narrow.nbytes
         return True
 
     def rebuild(self) -> Tensor:
@@ -441,54 +433,60 @@ class _Settled(_Shared):
         if self.tensor is not None:
             _check_version(self.tensor, self.version, "checked by relu_ext.save_compact, which saved it as it was")
             return self.tensor
-        return self._grow()
+        assert self.narrow is not None
+        return self.narrow.to(self.dtype)
 
     def fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensor, until settled, is at the version it had."""
         return self.tensor is None or self.tensor._version == self.version
 
     def live(self) -> Tensor:
-        """The saved tensor (not rebuilt while the tensor itself is held)."""
+        """The saved tensor (not widened again while the tensor itself is held)."""
         return self.tensor if self.tensor is not None else self.current()
 
-
-class Narrowed(_Settled):
-    """A saved integer tensor (max-pool indices, gather indices) kept in the narrowest integer
-    type that holds all its values, and widened back for backward."""
-
-    __slots__ = ("dtype",)
-
-    def __init__(self, t: Tensor) -> None:
-        super().__init__(t)
-        self.dtype = t.dtype
-
-    def _shrink(self, t: Tensor) -> tuple[Tensor] | None:
-        lo, hi = (int(v) for v in torch.aminmax(t))
-        bits = torch.iinfo(t.dtype).bits
-        fits = [d for d in _NARROWER if torch.iinfo(d).bits < bits and torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
-        return (t.to(fits[0]),) if fits else None  # (preserve_format: a dense tensor keeps its strides)
-
-    def _grow(self) -> Tensor:
-        return self.small[0].to(self.dtype)
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting)."""
+        return (self.tensor,) if self.tensor is not None else (self.narrow,)
 
 
-class TwoValued(_Settled):
-    """A saved floating-point tensor of +0 and one other bit pattern that no node made (CPU
-    dropout's noise: 0 and 1 / (1 - p)), kept as the bitmap of its nonzero elements and that
-    pattern (``relu_ext::binary_mask``; CPU)."""
+class TwoValued(_Shared):
+    """A saved floating-point tensor that no node made, of +0 and one other bit pattern (CPU
+    dropout's noise), as the bitmap of its nonzero elements and that pattern, rebuilt for backward
+    bit for bit in its own layout.
 
-    __slots__ = ("size", "stride")
+    Made when the tensor is saved, so the tensor is freed as soon as nothing else holds it (the
+    step's peak falls too); where something does, the bitmap adds 1/32 of its bytes (float32). A
+    weak reference tells whether it lives on: changed in place since, backward raises PyTorch's
+    in-place error, as it would without the hooks."""
 
-    def __init__(self, t: Tensor) -> None:
-        super().__init__(t)
-        self.size, self.stride = t.size(), t.stride()
+    __slots__ = ("mask", "value", "size", "stride", "ref", "version")
 
-    def _shrink(self, t: Tensor) -> tuple[Tensor, Tensor] | None:
+    def __init__(self, mask: Tensor, value: Tensor, t: Tensor) -> None:
+        super().__init__(mask.nbytes + value.nbytes)
+        self.mask, self.value, self.size, self.stride = mask, value, t.size(), t.stride()
+        self.ref, self.version = weakref.ref(t), t._version
+
+    @staticmethod
+    def of(t: Tensor) -> TwoValued | None:
+        """`t` as a bitmap and its one nonzero bit pattern, or None where it has a second one."""
         mask, value, ok = _ops.binary_mask(t)
-        return (mask, value) if bool(ok) else None
+        return TwoValued(mask, value, t) if bool(ok) else None
 
-    def _grow(self) -> Tensor:
-        return _ops.binary_expand(*self.small, self.size, self.stride)
+    def rebuild(self) -> Tensor:
+        """The saved tensor, bit for bit, in its own layout."""
+        t = self.ref()
+        if t is not None:
+            _check_version(t, self.version, "checked by relu_ext.save_compact, which saved it as a bitmap")
+        return _ops.binary_expand(self.mask, self.value, self.size, self.stride)
+
+    def fresh(self) -> bool:
+        """Whether rebuild() would succeed: the tensor is gone, or at the version it had."""
+        t = self.ref()
+        return t is None or t._version == self.version
+
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting)."""
+        return self.mask, self.value
 
 
 class Pooled(_Shared):
@@ -589,8 +587,6 @@ def _peek(saved: Any, unpack: Any) -> Tensor | None:
         return data
     if hook is unpack and isinstance(data, _Dense) and data.tensor._version == data.version:
         return data.tensor
-    if hook is unpack and isinstance(data, TwoValued) and data.tensor is not None and data.fresh():
-        return data.tensor  # (a model's input, held as it is until the exit; a recipe's reference keeps it so)
     return None
 
 
@@ -755,10 +751,10 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     plus a bitmap. A concatenation that begins with the previous one kept
     (DenseNet's) is kept as its pieces plus what it adds (*concatenated*,
     with recompute), a max-pool output as the pool's input at its indices
-    (*pooled*, with recompute). At the exit, what only the graph holds: integer
-    tensors (max-pool indices) in the narrowest type that holds them (*narrowed*),
-    tensors of +0 and one other value that no node made (CPU dropout's noise) as
-    a bitmap (*two_valued*). Data changed in place after the forward gives
+    (*pooled*, with recompute), an integer tensor only the graph holds (max-pool
+    indices) in the narrowest type that holds it (*narrowed*, at the exit), and
+    one of +0 and one other value that no node made (CPU dropout's noise) as a
+    bitmap (*two_valued*). Data changed in place after the forward gives
     backward the values it had then or PyTorch's in-place error, never new data.
 
     ``with`` gives the context, which counts what its hooks did (over all its
@@ -815,9 +811,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         prune_at = [1024]
         stats = self._stats = _Stats()
         kept_by_reason = stats.kept_by_reason
-        # Tensors to keep smaller when the context exits (settle()): id -> its Narrowed or
-        # TwoValued, which holds the tensor until then (so the id stays its own).
-        settling = self._settling = {}
+        # Integer tensors to narrow when the context exits (settle()): id -> its Narrowed,
+        # which holds the tensor until then (so the id stays its own).
+        ints = self._ints = {}
         # The last concatenation kept in pieces, by its dimension and its other sizes (_concatenation).
         chains = self._chains = {}
 
@@ -827,14 +823,26 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                 t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
             why = _why_kept(t, recompute)
             recipe = _rebuildable(t) if recompute and why == "not_activation" else None
-            form = _settled_form(t) if why == "not_activation" else None
-            if form is not None:
-                packed = settling.get(id(t))
+            if why == "not_activation" and _narrowable(t):
+                packed = ints.get(id(t))
                 if packed is None or packed.version != t._version:
-                    packed = settling[id(t)] = form(t)
+                    packed = ints[id(t)] = Narrowed(t)
                     stats.keep(why, t)  # (until settled)
                 packed.pending += 1
                 return packed
+            if why == "not_activation" and _two_valued_candidate(t):
+                hit = cache.get(t)
+                if hit is None or hit[0] != t._version:
+                    with torch.no_grad():
+                        packed = TwoValued.of(t)
+                    hit = cache[t] = (t._version, packed)
+                    if packed is not None:
+                        stats.two_valued += 1
+                        stats.two_valued_bytes += t.nbytes
+                        stats.two_valued_held += packed.nbytes
+                if hit[1] is not None:
+                    hit[1].pending += 1
+                    return hit[1]
             if why is not None and recipe is None:
                 key = id(t)
                 ref = seen.get(key)
@@ -909,20 +917,15 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(*args)
         st = self._stats
         with torch.no_grad():
-            for packed in self._settling.values():
-                full = packed.nbytes
+            for packed in self._ints.values():
                 if packed.settle():
+                    full = packed.narrow.numel() * packed.dtype.itemsize
                     st.kept_by_reason["not_activation"] -= 1
                     st.kept_bytes -= full
-                    if isinstance(packed, Narrowed):
-                        st.narrowed += 1
-                        st.narrowed_bytes += full
-                        st.narrowed_held += packed.nbytes
-                    else:
-                        st.two_valued += 1
-                        st.two_valued_bytes += full
-                        st.two_valued_held += packed.nbytes
-        self._settling.clear()
+                    st.narrowed += 1
+                    st.narrowed_bytes += full
+                    st.narrowed_held += packed.nbytes
+        self._ints.clear()
         self._chains.clear()
 
     @property
@@ -1055,25 +1058,35 @@ def _alias(t: Tensor, base: Tensor) -> bool:
             and t.stride() == base.stride() and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj())
 
 
-def _settled_form(t: Tensor) -> type[_Settled] | None:
-    """The form `t` may be kept in if only the graph holds it when the context exits: an integer
-    tensor narrower (Narrowed), a floating-point one that no node made as a bitmap (TwoValued, CPU)."""
-    if t.dtype in (torch.int64, torch.int32, torch.int16):
-        form, devices = Narrowed, ("cpu", "cuda")
-    elif t.is_floating_point() and t.grad_fn is None and not t.requires_grad:
-        form, devices = TwoValued, ("cpu",)
-    else:
-        return None
-    if (
-        type(t) is torch.Tensor
+def _narrowable(t: Tensor) -> bool:
+    """Whether `t` is an integer tensor that may be kept narrower (see Narrowed)."""
+    return (
+        t.dtype in (torch.int64, torch.int32, torch.int16)
+        and type(t) is torch.Tensor
         and t.layout == torch.strided
-        and t.device.type in devices
+        and t.device.type in ("cpu", "cuda")
         and t.numel() >= _MIN_NUMEL
         and not t._is_view()  # (its base's storage may be held elsewhere)
         and _is_dense(t)
-    ):
-        return form
-    return None
+    )
+
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _two_valued_candidate(t: Tensor) -> bool:
+    """Whether `t` may be kept as a bitmap (see TwoValued): a plain dense CPU floating-point
+    tensor of at least 4096 elements that no node made (an activation output is not)."""
+    return (
+        t.grad_fn is None
+        and t.dtype in _FLOATS
+        and not t.requires_grad
+        and type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and t.device.type == "cpu"
+        and t.numel() >= _MIN_NUMEL
+        and _is_dense(t)
+    )
 
 
 def _is_dense(t: Tensor) -> bool:
