@@ -14,7 +14,8 @@
 #   bench     python3 -m relu_ext.bench --device cuda --out DIR --name bench (bench.json, bench.png;
 #             its printed tables go to the end of summary.txt)
 #   unroll    the kernel section at 16M and 256M elements (float32, bfloat16; torch, relu_ext and the
-#             copy) once per compiled unroll of relu_ext's CUDA kernels (--cuda-unroll 1, 2, 4): which
+#             copy) once per compiled unroll of relu_ext's CUDA kernels (--cuda-unroll 1, 2, 4) and grid cap
+#             (--cuda-waves 1: one wave of resident blocks; 0: no cap), the family's rows too with unroll 4: which
 #             one to make the default (tables at the end of summary.txt, ~1-2 min)
 # It refuses at once (exit 3, one line, nothing built) when no GPU is visible: nvidia-smi missing or
 # failing, or torch.cuda.is_available() False. It records the environment (env.json), runs every step
@@ -36,18 +37,19 @@
 #   GIT_COMMIT (recorded when the tree has no .git), PYTEST_ADDOPTS (extra pytest options, as usual),
 #   BENCH_ARGS (extra arguments for relu_ext.bench), CUDA_HOME (default /usr/local/cuda).
 #
-# Through the device tool (one command runs at most 10 minutes and $OUT comes back: at most 8 files,
-# so one call per line below; a call may start a bare machine, so each one builds). Measured on an
-# H100 with 16 cores (2026-11-25): build 70 s (one arch); the whole suite 6 min with pytest-xdist
-# (without it, more than 10); the three sanitizer tools 100 s; bench --quick 94 s; unroll 48 s.
-# The image has no expecttest (one test of the OpInfo samples skips without it): carry its wheel.
-#   call 1, ~7.5 min:  PYTEST_ADDOPTS="-n 12" OMP_NUM_THREADS=1 \
-#                      bash bench/gpu_check.sh --out "$OUT" --steps build,test --deadline 570
-#   call 2, ~5 min:    bash bench/gpu_check.sh --out "$OUT" --steps build,sanitize,bench,unroll --quick --deadline 570
-#                      (on a still-warm machine, leave build out: without it the installed build is used)
-#   call 3, if time is left: the real models compiled (torch.compile, nn.ReLU vs relu_ext's modules):
-#                      BENCH_ARGS="--what compiled --models resnet18,resnet50,vgg11 --dtypes float32" \
-#                      bash bench/gpu_check.sh --out "$OUT" --steps build,bench --deadline 570
+# Through the device tool (one command runs at most 10 minutes, 15 minutes of device time a session,
+# and $OUT comes back: at most 8 files). Measured on an H100 with 16 cores (2026-11-26): start about
+# 1 min; build 60 s (one arch); the whole suite 264 s with pytest-xdist (without it, more than 10 min);
+# the three sanitizer tools 90 s (one pytest process each: the sanitize step drops PYTEST_ADDOPTS);
+# bench --quick 94 s; unroll ~2-3 min (6 variants, measured 48 s for 3 on 2026-11-25). The image has no
+# expecttest (one test of the OpInfo samples skips without it): carry its wheel.
+#   call 1, ~8 min:  PYTEST_ADDOPTS="-n 12" OMP_NUM_THREADS=1 \
+#                    bash bench/gpu_check.sh --out "$OUT" --steps build,test,sanitize --deadline 570
+#   call 2, at once on the still-warm machine (it goes back after 30 s idle; without build the
+#                    installed one is used): bash bench/gpu_check.sh --out "$OUT" --steps unroll --deadline 240
+#   later sessions: --steps bench --quick; the real models compiled (torch.compile, nn.ReLU vs relu_ext):
+#                    BENCH_ARGS="--what compiled --models resnet18,resnet50,vgg11 --dtypes float32" \
+#                    bash bench/gpu_check.sh --out "$OUT" --steps build,bench --deadline 570
 # On a machine without a time limit, `bash bench/gpu_check.sh` runs all five steps (~15-20 min) into
 # bench/results/gpu-<device-slug>-<date>/.
 set -euo pipefail
@@ -82,8 +84,9 @@ SANITIZER_TESTS=(
 )
 STEP_NAMES=(build test sanitize bench unroll)
 QUICK_BENCH_ARGS=(--sizes 65536,1048576,16777216,268435456 --what kernels,small --budget 0.2)
-UNROLLS=(1 2 4)  # what csrc/relu_cuda.cu compiles (set_cuda_unroll)
-UNROLL_BENCH_ARGS=(--what kernels --impls torch,relu_ext --sizes 16777216,268435456 --dtypes float32,bfloat16
+UNROLLS=(1 2 4)  # what csrc/relu_cuda.cu compiles (set_cuda_unroll); the family's kernels have 4 only
+WAVES=(1 0)      # grid caps to compare (set_cuda_waves): one wave of resident blocks, none
+UNROLL_BENCH_ARGS=(--impls torch,relu_ext --sizes 16777216,268435456 --dtypes float32,bfloat16
                    --rounds 3 --budget 0.1 --no-files --no-progress)
 SANITIZER_ERROR_EXIT=99  # not 1, so that "the sanitizer found errors" differs from "a test failed"
 RESERVE_S=20             # kept for the summary under --deadline
@@ -144,7 +147,7 @@ BENCH_EXTRA=()
 if [ -n "${BENCH_ARGS:-}" ]; then read -r -a _b <<<"$BENCH_ARGS"; BENCH_EXTRA+=("${_b[@]}"); fi
 
 SANITIZER_TESTS_LIST="${SANITIZER_TESTS[*]}" BENCH_EXTRA_LIST="${BENCH_EXTRA[*]}"
-UNROLLS_LIST="${UNROLLS[*]}" UNROLL_BENCH_ARGS_LIST="${UNROLL_BENCH_ARGS[*]}"
+UNROLLS_LIST="${UNROLLS[*]}" WAVES_LIST="${WAVES[*]}" UNROLL_BENCH_ARGS_LIST="${UNROLL_BENCH_ARGS[*]}"
 
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 [ -d "$CUDA_HOME/bin" ] && export CUDA_HOME PATH="$PATH:$CUDA_HOME/bin"
@@ -155,14 +158,17 @@ JOBS=${MAX_JOBS:-16}
 build_cmd() { echo "TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=$JOBS $PYTHON -m pip install -v --no-build-isolation --no-deps -e ."; }
 test_cmd() { echo "$PYTHON -m pytest tests -q -ra -p no:cacheprovider --durations=15 --junitxml=$1/junit.xml"; }
 sanitizer_cmd() {  # tool
-  local env="" count
-  [ "$1" = memcheck ] && env="PYTORCH_NO_CUDA_MEMORY_CACHING=1 "
+  local env="env -u PYTEST_ADDOPTS " count
+  [ "$1" = memcheck ] && env+="PYTORCH_NO_CUDA_MEMORY_CACHING=1 "
   count=$(wc -w <<<"$SANITIZER_TESTS_LIST" | tr -d ' ')
   echo "${env}compute-sanitizer --tool $1 --error-exitcode $SANITIZER_ERROR_EXIT --target-processes all" \
        "--report-api-errors no --print-limit 50 $PYTHON -m pytest -q -p no:cacheprovider <the $count tests below>"
 }
 bench_cmd() { echo "$PYTHON -m relu_ext.bench --device cuda --out $1 --name bench --no-progress $BENCH_EXTRA_LIST"; }
-unroll_cmd() { echo "$PYTHON -m relu_ext.bench --device cuda --cuda-unroll $1 $UNROLL_BENCH_ARGS_LIST"; }
+unroll_what() { [ "$1" = 4 ] && echo kernels,family || echo kernels; }  # unroll
+unroll_cmd() {  # unroll waves
+  echo "$PYTHON -m relu_ext.bench --device cuda --cuda-unroll $1 --cuda-waves $2 --what $(unroll_what "$1") $UNROLL_BENCH_ARGS_LIST"
+}
 
 if [ "$DRY_RUN" = 1 ]; then
   results=${OUT_DIR:-$REPO/bench/results/gpu-<device-slug>-$(date +%Y-%m-%d)}
@@ -181,7 +187,9 @@ if [ "$DRY_RUN" = 1 ]; then
   fi
   [ -n "${WANT[bench]:-}" ] && echo "step bench:    $(bench_cmd "$results")  (tables into summary.txt)"
   if [ -n "${WANT[unroll]:-}" ]; then
-    for k in "${UNROLLS[@]}"; do echo "step unroll:   $(unroll_cmd "$k")  (tables into summary.txt)"; done
+    for w in "${WAVES[@]}"; do
+      for k in "${UNROLLS[@]}"; do echo "step unroll:   $(unroll_cmd "$k" "$w")  (tables into summary.txt)"; done
+    done
   fi
   echo "summary:    $results/summary.txt"
   exit 0
@@ -273,7 +281,7 @@ EOF
 # Each step runs in its own bash (so that `timeout` can stop it with its children);
 # these functions and variables travel there.
 export REPO R PYTHON ARCH JOBS SANITIZER_ERROR_EXIT SANITIZER_BIN
-export SANITIZER_TESTS_LIST BENCH_EXTRA_LIST UNROLLS_LIST UNROLL_BENCH_ARGS_LIST
+export SANITIZER_TESTS_LIST BENCH_EXTRA_LIST UNROLLS_LIST WAVES_LIST UNROLL_BENCH_ARGS_LIST
 
 step_build() {
   set -euo pipefail
@@ -323,8 +331,10 @@ step_sanitize() {  # tool
   echo "\$ $(sanitizer_cmd "$tool")"
   printf '    %s\n' "${tests[@]}"
   if [ -z "$SANITIZER_BIN" ]; then echo "gpu_check: FAIL: compute-sanitizer not found on PATH or in \$CUDA_HOME/bin"; return 1; fi
-  local -a env=()
-  [ "$tool" = memcheck ] && env=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+  # One pytest process: workers (-n in PYTEST_ADDOPTS, kept for the test step) under the sanitizer
+  # ran past a 227 s limit on 2026-11-26 where one process takes 22 s.
+  local -a env=(env -u PYTEST_ADDOPTS)
+  [ "$tool" = memcheck ] && env+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
   "${env[@]}" "$SANITIZER_BIN" --tool "$tool" --error-exitcode "$SANITIZER_ERROR_EXIT" --target-processes all \
     --report-api-errors no --print-limit 50 "$(command -v "$PYTHON")" -m pytest -q -p no:cacheprovider "${tests[@]}"
   rc=$?
@@ -344,20 +354,23 @@ step_bench() {
   "$PYTHON" -m relu_ext.bench --device cuda --out "$R" --name bench --no-progress "${extra[@]}"
   [ -s "$R/bench.json" ] || { echo "gpu_check: FAIL: no bench.json written"; return 1; }
 }
-step_unroll() {  # every unroll even after a failed one
+step_unroll() {  # every variant even after a failed one
   set -uo pipefail
   cd "$REPO"
-  local k rc=0
+  local k w rc=0
   read -r -a args <<<"$UNROLL_BENCH_ARGS_LIST"
-  for k in $UNROLLS_LIST; do
-    echo "==== relu_ext's CUDA kernels with unroll $k ($(date -u +%FT%TZ))"
-    echo "\$ $(unroll_cmd "$k")"
-    "$PYTHON" -m relu_ext.bench --device cuda --cuda-unroll "$k" "${args[@]}" || { echo "==== unroll $k: FAILED"; rc=1; }
+  for w in $WAVES_LIST; do
+    for k in $UNROLLS_LIST; do
+      echo "==== relu_ext's CUDA kernels with unroll $k, waves $w ($(date -u +%FT%TZ))"
+      echo "\$ $(unroll_cmd "$k" "$w")"
+      "$PYTHON" -m relu_ext.bench --device cuda --cuda-unroll "$k" --cuda-waves "$w" --what "$(unroll_what "$k")" \
+        "${args[@]}" || { echo "==== unroll $k, waves $w: FAILED"; rc=1; }
+    done
   done
   return $rc
 }
 export -f step_build check_build step_test step_sanitize step_bench step_unroll build_cmd test_cmd sanitizer_cmd \
-  bench_cmd unroll_cmd
+  bench_cmd unroll_cmd unroll_what
 
 ROWS=()     # "name|result|seconds|log|note"
 FAILED=0
@@ -400,7 +413,7 @@ note_sanitize() {  # from the last tool's section of the shared log only
     | grep -E "ERROR SUMMARY|^==== [a-z]+: " | sed -E 's/^=+ *//; s/^[a-z]+: //' | paste -sd';' - | cut -c1-100
 }
 note_bench() { [ -s "$R/bench.json" ] && echo "bench.json, bench.png; tables at the end of summary.txt" || echo "exit $2"; }
-note_unroll() { echo "unroll ${UNROLLS[*]}: tables at the end of summary.txt"; }
+note_unroll() { echo "unroll ${UNROLLS[*]} x waves ${WAVES[*]}: tables at the end of summary.txt"; }
 
 build_present() {
   "$PYTHON" -c '# gpu_check:has-build
@@ -459,7 +472,7 @@ if [ -f "$R/bench.log" ]; then  # the bench's tables, kept in the summary (one f
   rm -f "$R/bench.log"
 fi
 if [ -f "$R/unroll.log" ]; then  # likewise
-  { echo; echo "==== unroll comparison (python -m relu_ext.bench --cuda-unroll K)"; cat "$R/unroll.log"; } >>"$R/summary.txt"
+  { echo; echo "==== unroll and grid comparison (python -m relu_ext.bench --cuda-unroll K --cuda-waves W)"; cat "$R/unroll.log"; } >>"$R/summary.txt"
   rm -f "$R/unroll.log"
 fi
 echo

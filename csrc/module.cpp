@@ -131,6 +131,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Choose the CUDA kernels' unroll: 1, 2 or 4 rows of 32 16-byte vectors per warp and iteration "
       "(each thread then has that many 16-byte loads in flight). For tests and tuning.");
   m.def(
+      "cuda_waves",
+      []() -> int {
+#ifdef WITH_CUDA
+        return cuda_waves();
+#else
+        TORCH_CHECK(false, "relu_ext: cuda_waves: this build has no CUDA kernels");
+        return 0;
+#endif
+      },
+      "Grid cap of the CUDA kernels, in waves of resident blocks (0: no cap).");
+  m.def(
+      "set_cuda_waves",
+      [](int64_t waves) {
+#ifdef WITH_CUDA
+        set_cuda_waves(waves);
+#else
+        TORCH_CHECK(false, "relu_ext: set_cuda_waves(", waves, "): this build has no CUDA kernels");
+#endif
+      },
+      pybind11::arg("waves"),
+      "Cap the CUDA kernels' grids at `waves` times the blocks that fit on the device at once "
+      "(0 to 64; 0: no cap, one group of rows per warp). For tests and tuning.");
+  m.def(
       "relu",
       [](pybind11::handle input, bool inplace) {
         PyObject* out = act_entry("relu", input.ptr(), inplace, ActArgs{});

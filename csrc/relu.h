@@ -122,6 +122,8 @@ void forward_int_cuda(const at::Tensor& x, const at::Tensor& y);
 // kernels (1, 2 or 4; all three are compiled): for tests and tuning.
 int cuda_unroll();
 void set_cuda_unroll(int64_t rows);
+int cuda_waves();
+void set_cuda_waves(int64_t waves);
 // Compaction as the CPU's above, on y's device and current stream. compact
 // sets `missed` to an int64 scalar tensor on the device (not read back: the
 // one host sync is for the size of values); nonzero_mask's mask must be

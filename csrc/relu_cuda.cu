@@ -25,16 +25,25 @@ namespace {
 // with 4, 57-69% with 2 and 33-40% with 1; float32 at 92-97% with each.
 constexpr int kDefaultUnroll = 4;
 std::atomic<int> g_unroll{kDefaultUnroll};
+// Grid cap in waves (set_cuda_waves): 1, one wave of resident blocks that
+// grid-stride; 0, no cap. 1 until an H100 says otherwise: there (2026-11-26,
+// ncu, 64M elements) relu_ext's forwards reached 82% (float32) and 72%
+// (bfloat16) of peak DRAM throughput where PyTorch's uncapped grids of short
+// blocks reached 87% and 85%, on the same bytes.
+std::atomic<int> g_waves{1};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Blocks of kThreads for `threads_needed` threads, at most as many as fit on
-// the current device at once (asked of the CUDA runtime once per kernel and
-// device: it depends on the kernel's registers), so that there is no second
-// wave of blocks that start when the first ones end; the grid-stride loops
-// do the rest.
+// Blocks of kThreads for `threads_needed` threads, at most g_waves times as
+// many as fit on the current device at once (asked of the CUDA runtime once
+// per kernel and device: it depends on the kernel's registers); the
+// grid-stride loops do the rest. With 0 waves, only CUDA's grid limit caps it.
 template <typename Kernel>
 unsigned int grid_for(Kernel kernel, int64_t threads_needed, int device) {
+  constexpr int64_t kGridLimit = (int64_t(1) << 31) - 1;  // gridDim.x
+  const int64_t blocks = std::max<int64_t>(1, (threads_needed + kThreads - 1) / kThreads);
+  const int waves = g_waves.load(std::memory_order_relaxed);
+  if (waves == 0) return static_cast<unsigned int>(std::min(blocks, kGridLimit));
   static std::mutex lock;
   static std::map<std::pair<const void*, int>, int64_t> fit;  // (kernel, device) -> blocks
   const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
@@ -52,8 +61,7 @@ unsigned int grid_for(Kernel kernel, int64_t threads_needed, int device) {
     const std::lock_guard<std::mutex> guard(lock);
     fit[key] = most;
   }
-  const int64_t blocks = (threads_needed + kThreads - 1) / kThreads;
-  return static_cast<unsigned int>(std::max<int64_t>(1, std::min(blocks, most)));
+  return static_cast<unsigned int>(std::min(blocks, most * waves));
 }
 
 // Calls fn(std::integral_constant<int, K>{}) for the unroll in use.
@@ -254,6 +262,13 @@ void set_cuda_unroll(int64_t rows) {
   TORCH_CHECK_VALUE(rows == 1 || rows == 2 || rows == 4, "relu_ext: set_cuda_unroll takes 1, 2 or 4 rows per warp, not ",
               rows);
   g_unroll.store(static_cast<int>(rows), std::memory_order_relaxed);
+}
+
+int cuda_waves() { return g_waves.load(std::memory_order_relaxed); }
+
+void set_cuda_waves(int64_t waves) {
+  TORCH_CHECK_VALUE(waves >= 0 && waves <= 64, "relu_ext: set_cuda_waves takes 0 (no cap) to 64 waves, not ", waves);
+  g_waves.store(static_cast<int>(waves), std::memory_order_relaxed);
 }
 
 }  // namespace relu_ext

@@ -12,8 +12,9 @@
 // ballots gives the V 32-bit mask words of the row, which lanes 0..V-1 store.
 // Backward: the V mask bits of a lane's vector share one byte. nonzero_kernel
 // builds its bitmap as the forward does; compaction has its own section below.
-// Indices are 64-bit throughout; loops are grid-stride over a grid of at most
-// the blocks that fit on the device at once, so any size runs in one wave.
+// Indices are 64-bit throughout; loops are grid-stride, so any grid covers any
+// size (by default one wave of the blocks that fit on the device at once;
+// set_cuda_waves in relu_cuda.cu).
 #pragma once
 
 #include <cstdint>

@@ -192,6 +192,11 @@ void expect(bool ok, const char* what, const char* kernel, int64_t n, int64_t at
 
 // Blocks for `threads` threads, at most `cap` (the device's resident limit in
 // relu_cuda.cu; small here so that the grid-stride loops take several passes).
+// kNoCap: every block it needs, one group per warp (set_cuda_waves(0)).
+constexpr unsigned kNoCap = ~0u;
+constexpr unsigned kCaps[] = {1u, 3u, kNoCap};
+// The cap that sizes are made for: kNoCap takes the sizes of cap 3.
+unsigned sized(unsigned cap) { return cap == kNoCap ? 3u : cap; }
 unsigned grid_for(int64_t threads, unsigned cap) {
   const int64_t blocks = (threads + kThreads - 1) / kThreads;
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(blocks, cap)));
@@ -304,8 +309,8 @@ std::vector<int64_t> sizes_for(int v, int k, unsigned cap) {
 
 template <typename U, U kInf, int V, int K>
 void check_sizes(const char* name) {
-  for (unsigned cap : {1u, 3u}) {
-    for (int64_t n : sizes_for(V, K, cap)) {
+  for (unsigned cap : kCaps) {
+    for (int64_t n : sizes_for(V, K, sized(cap))) {
       check<U, kInf, V, K>(n, cap, 0, name);
     }
   }
@@ -322,8 +327,8 @@ void check_format(const char* dtype) {
   // The scalar kernel on data one element past a 16-byte boundary (x[1:]).
   char scalar[64];
   std::snprintf(scalar, sizeof scalar, "%s V=1 K=1 (unaligned)", dtype);
-  for (unsigned cap : {1u, 3u}) {
-    for (int64_t n : sizes_for(1, 1, cap)) check<U, kInf, 1, 1>(n, cap, 1, scalar);
+  for (unsigned cap : kCaps) {
+    for (int64_t n : sizes_for(1, 1, sized(cap))) check<U, kInf, 1, 1>(n, cap, 1, scalar);
   }
 }
 
@@ -412,9 +417,9 @@ void check_family_format(const char* act, const char* dtype, double a, double b)
   char name[2][96];
   std::snprintf(name[0], sizeof name[0], "%s %s V=%d K=2", act, dtype, V);
   std::snprintf(name[1], sizeof name[1], "%s %s V=1 K=1 (unaligned)", act, dtype);
-  for (unsigned cap : {1u, 3u}) {
-    for (int64_t n : sizes_for(V, 2, cap)) check_family<Act, T, U, kInf, V, 2>(n, cap, 0, a, b, name[0]);
-    for (int64_t n : sizes_for(1, 1, cap)) check_family<Act, T, U, kInf, 1, 1>(n, cap, 1, a, b, name[1]);
+  for (unsigned cap : kCaps) {
+    for (int64_t n : sizes_for(V, 2, sized(cap))) check_family<Act, T, U, kInf, V, 2>(n, cap, 0, a, b, name[0]);
+    for (int64_t n : sizes_for(1, 1, sized(cap))) check_family<Act, T, U, kInf, 1, 1>(n, cap, 1, a, b, name[1]);
   }
 }
 
@@ -565,13 +570,13 @@ void check_compaction_width(const char* dtype) {
   char vec[64], scalar[64], name[128];
   std::snprintf(vec, sizeof vec, "%s V=%d", dtype, V);
   std::snprintf(scalar, sizeof scalar, "%s V=1 (unaligned)", dtype);
-  for (unsigned cap : {1u, 3u}) {
+  for (unsigned cap : kCaps) {
     for (int kind = 0; kind < kMaskKinds; ++kind) {
-      for (int64_t n : compaction_sizes(V, cap)) {
+      for (int64_t n : compaction_sizes(V, sized(cap))) {
         std::snprintf(name, sizeof name, "compaction %s, %s", vec, kMaskNames[kind]);
         check_compaction<U, kInf, V>(n, cap, 0, kind, name);
       }
-      for (int64_t n : compaction_sizes(1, cap)) {
+      for (int64_t n : compaction_sizes(1, sized(cap))) {
         std::snprintf(name, sizeof name, "compaction %s, %s", scalar, kMaskNames[kind]);
         check_compaction<U, kInf, 1>(n, cap, 1, kind, name);
       }
@@ -586,7 +591,7 @@ int main() {
   check_format<uint64_t, relu_ext::kInfF64>("float64");
   check_format<uint16_t, relu_ext::kInfF16>("float16");
   check_format<uint16_t, relu_ext::kInfBF16>("bfloat16");
-  for (unsigned cap : {1u, 3u}) {
+  for (unsigned cap : kCaps) {
     for (int64_t n : {1, 255, 256, 257, 3 * 256 * 3 + 5}) {
       check_int<int8_t>(n, cap);
       check_int<uint8_t>(n, cap);

@@ -296,6 +296,7 @@ def test_configuration_defaults_quick_and_overrides():
 @pytest.mark.parametrize("argv", [["--impls", "torch,nope"], ["--what", "kernels,speed"], ["--rounds", "0"],
                                   ["--dtypes", "int32"], ["--dtypes", "float33"], ["--device", "mps"],
                                   ["--malloc", "jemalloc"], ["--cuda-unroll", "3"], ["--cuda-unroll", "2"],
+                                  ["--cuda-waves", "65"], ["--cuda-waves", "-1"], ["--cuda-waves", "2"],
                                   ["--models", "resnet18,alexnet"]])
 def test_bad_arguments_are_named(argv, capsys):
     with pytest.raises(SystemExit):
@@ -306,7 +307,7 @@ def test_bad_arguments_are_named(argv, capsys):
 def test_help_lists_the_flags():
     text = cli.parser().format_help()
     for flag in ("--rounds", "--budget", "--max-spread", "--quick", "--out", "--no-files", "--what", "--impls",
-                 "--cuda-unroll", "--models", "--compile-backend", "--model", "--input-shape"):
+                 "--cuda-unroll", "--cuda-waves", "--models", "--compile-backend", "--model", "--input-shape"):
         assert flag in text
     assert "interleaved" in text and "marked" in text
     # A user who installed the package has no repository: no git, no make targets.

@@ -184,6 +184,47 @@ def test_kernels_match_cpu_kernels(dtype, unroll):
             assert_same_bits(whole[off + n :], base[off + n :], f"relu_fwd_ wrote past the view {what}")
 
 
+@pytest.fixture
+def waves():
+    """Restores the CUDA grid cap (set_cuda_waves) after the test."""
+    previous = relu_ext._C.cuda_waves()
+    yield
+    relu_ext._C.set_cuda_waves(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_uncapped_grid_gives_the_same_bits(dtype, waves):
+    """set_cuda_waves(0) (no grid cap: one group of rows per warp, as PyTorch
+    launches) writes the same bits as the default one wave of grid-stride
+    blocks, in every kernel: ReLU's, the family's, compaction, nonzero_mask
+    and integers; aligned and unaligned, past several grid-stride passes,
+    outputs poisoned first."""
+    n = _grid_stride_size(dtype, 4)
+    base, g_base = adversarial(n + 1, dtype, seed=3).cuda(), adversarial(n + 1, dtype, seed=4).cuda()
+    ints = torch.randint(-100, 100, (n,), dtype=torch.int8, device="cuda")
+
+    def family(x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for name, args in (("relu", ()), ("hardtanh", (0.0, 6.0)), ("leaky_relu", (0.1,)),
+                           ("threshold", (0.25, -2.0)), ("hardsigmoid", ())):
+            y, m = getattr(ops, f"{name}_fwd")(x, *args)
+            out += [y, m, getattr(ops, f"{name}_bwd")(g, m, *args)]
+        values, missed = ops.compact(out[0], out[1])
+        return out + [values, missed, ops.expand(values, out[1], list(x.shape), list(x.stride())),
+                      ops.nonzero_mask(out[0]), ops.relu(ints)]
+
+    for off in (0, 1):
+        x, g = base[off : off + n], g_base[1 - off : 1 - off + n]
+        relu_ext._C.set_cuda_waves(1)
+        want = family(x, g)
+        relu_ext._C.set_cuda_waves(0)
+        assert relu_ext._C.cuda_waves() == 0
+        _poison(*(t.numel() * t.element_size() for t in want))
+        got = family(x, g)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same_bits(a, b, f"output {i}, offset {off}, waves 0 vs 1")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_side_stream(dtype):
     """On a side stream, the kernels must run on the current stream: the input
@@ -526,14 +567,16 @@ def test_bench_runs_on_cuda(tmp_path):
 
     from relu_ext.bench import cli
 
-    previous = relu_ext._C.cuda_unroll()
+    previous = relu_ext._C.cuda_unroll(), relu_ext._C.cuda_waves()
     try:
         res = cli.main(["--device", "cuda", "--sizes", "4096,65537", "--rounds", "2", "--budget", "0.01", "--quick",
-                        "--cuda-unroll", "1", "--out", str(tmp_path), "--name", "cuda", "--no-progress"])
+                        "--cuda-unroll", "1", "--cuda-waves", "0", "--out", str(tmp_path), "--name", "cuda",
+                        "--no-progress"])
     finally:
-        relu_ext._C.set_cuda_unroll(previous)
+        relu_ext._C.set_cuda_unroll(previous[0])
+        relu_ext._C.set_cuda_waves(previous[1])
     assert res["environment"]["gpu"] and (tmp_path / "cuda.json").exists()
-    assert res["environment"]["relu_ext"]["cuda_unroll"] == 1
+    assert res["environment"]["relu_ext"]["cuda_unroll"] == 1 and res["environment"]["relu_ext"]["cuda_waves"] == 0
     for r in res["kernels"] + res["small"]:
         for c in r["results"].values():
             assert len(c["rounds_s"]) == 2 and c["median_s"] > 0

@@ -153,12 +153,29 @@ def test_cuda_unroll_choice():
         _C.set_cuda_unroll(previous)
 
 
+@pytest.mark.skipif(not _C.with_cuda, reason="built without CUDA kernels")
+def test_cuda_waves_choice():
+    """The CUDA grid cap (tests and tuning) takes 0 (none) to 64 waves, nothing else."""
+    previous = _C.cuda_waves()
+    assert previous == 1 and relu_ext.build_info()["cuda_waves"] == 1
+    try:
+        for waves in (0, 1, 2, 64):
+            _C.set_cuda_waves(waves)
+            assert _C.cuda_waves() == waves and relu_ext.build_info()["cuda_waves"] == waves
+        for bad in (-1, 65, 1 << 40):
+            with pytest.raises(ValueError, match=f"takes 0 \\(no cap\\) to 64 waves, not {bad}"):
+                _C.set_cuda_waves(bad)
+            assert _C.cuda_waves() == 64
+    finally:
+        _C.set_cuda_waves(previous)
+
+
 @pytest.mark.skipif(_C.with_cuda, reason="this build has CUDA kernels")
 def test_cuda_unroll_without_cuda_kernels():
-    for call in (_C.cuda_unroll, lambda: _C.set_cuda_unroll(2)):
+    for call in (_C.cuda_unroll, lambda: _C.set_cuda_unroll(2), _C.cuda_waves, lambda: _C.set_cuda_waves(0)):
         with pytest.raises(RuntimeError, match="this build has no CUDA kernels"):
             call()
-    assert relu_ext.build_info()["cuda_unroll"] is None
+    assert relu_ext.build_info()["cuda_unroll"] is None and relu_ext.build_info()["cuda_waves"] is None
 
 
 # --- module API ---------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_help_documents_usage_and_device_tool_calls():
     out = run("--help")
     assert out.returncode == 0, out.stderr
     for needle in ("Usage:", "--out DIR", "--steps", "--quick", "--dry-run", "--deadline",
-                   '--out "$OUT" --steps build,test', "--steps build,sanitize,bench,unroll --quick",
+                   '--out "$OUT" --steps build,test,sanitize', '--steps unroll --deadline 240',
                    'PYTEST_ADDOPTS="-n 12"',  # the whole suite fits a 10-minute call only with pytest-xdist
                    "pip install --no-build-isolation", "compute-sanitizer", "relu_ext.bench --device cuda"):
         assert needle in out.stdout, needle
@@ -163,8 +163,12 @@ def test_dry_run_lists_every_step_and_touches_nothing(tmp_path):
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck" in text
     assert "--target-processes all" in text
     assert f"-m relu_ext.bench --device cuda --out {tmp_path / 'results'} --name bench" in text
-    for k in (1, 2, 4):
-        assert f"-m relu_ext.bench --device cuda --cuda-unroll {k} --what kernels --impls torch,relu_ext" in text
+    assert "env -u PYTEST_ADDOPTS PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer" in text
+    for w in (1, 0):
+        for k in (1, 2, 4):
+            what = "kernels,family" if k == 4 else "kernels"
+            assert (f"-m relu_ext.bench --device cuda --cuda-unroll {k} --cuda-waves {w} --what {what} "
+                    "--impls torch,relu_ext") in text
     for node in sanitizer_selection():
         assert node in text
     assert not (tmp_path / "results").exists() and not log.exists()
@@ -210,7 +214,7 @@ def test_sanitizer_selection_is_collected_by_pytest():
 # --- step logic, against stand-ins ------------------------------------------------------
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
-echo "python $* | caching-off=${PYTORCH_NO_CUDA_MEMORY_CACHING:-} sanitizer=${FAKE_UNDER_SANITIZER:-}" >> "$FAKE_LOG"
+echo "python $* | caching-off=${PYTORCH_NO_CUDA_MEMORY_CACHING:-} sanitizer=${FAKE_UNDER_SANITIZER:-} addopts=${PYTEST_ADDOPTS:-}" >> "$FAKE_LOG"
 case "$1" in
   -c)
     case "$2" in
@@ -231,12 +235,15 @@ case "$1" in
         for a in "$@"; do case "$a" in --junitxml=*) echo "<testsuites/>" > "${a#--junitxml=}" ;; esac; done
         echo "2 failed, 900 passed, 40 skipped in 100.00s"; exit "${FAKE_TEST_RC:-0}" ;;
       relu_ext.bench)
-        out=. name=x files=1 unroll=default
+        out=. name=x files=1 unroll=default waves=default
         while [ $# -gt 0 ]; do
-          case "$1" in --out) out=$2; shift ;; --name) name=$2; shift ;; --no-files) files=0 ;; --cuda-unroll) unroll=$2; shift ;; esac
+          case "$1" in
+            --out) out=$2; shift ;; --name) name=$2; shift ;; --no-files) files=0 ;;
+            --cuda-unroll) unroll=$2; shift ;; --cuda-waves) waves=$2; shift ;;
+          esac
           shift
         done
-        echo "STAND-IN KERNEL TABLE unroll=$unroll"
+        echo "STAND-IN KERNEL TABLE unroll=$unroll waves=$waves"
         [ "$files" = 1 ] && { echo "{}" > "$out/$name.json"; echo png > "$out/$name.png"; }
         exit "${FAKE_BENCH_RC:-0}" ;;
     esac ;;
@@ -291,7 +298,7 @@ def _summary_rows(results: Path) -> dict[str, str]:
 
 def test_a_failed_test_step_does_not_stop_sanitizer_and_bench(stand_ins):
     env, log, results = stand_ins
-    out = run("--out", str(results), env=dict(env, FAKE_TEST_RC="1"))
+    out = run("--out", str(results), env=dict(env, FAKE_TEST_RC="1", PYTEST_ADDOPTS="-n 12"))
     assert out.returncode == 1, out.stdout + out.stderr
     assert _summary_rows(results) == {"build": "PASS", "test": "FAIL", "sanitize:memcheck": "PASS",
                                       "sanitize:racecheck": "PASS", "sanitize:synccheck": "PASS", "bench": "PASS",
@@ -314,6 +321,11 @@ def test_a_failed_test_step_does_not_stop_sanitizer_and_bench(stand_ins):
     assert racecheck and racecheck[0].endswith("caching-off="), "CUDA graphs need the caching allocator"
     for node in sanitizer_selection():
         assert node in memcheck[0]
+    pytests = [c for c in calls.splitlines() if c.startswith("python -m pytest")]
+    under_sanitizer = [c for c in pytests if "sanitizer=1" in c]
+    assert len(under_sanitizer) == 3 and all(c.endswith("addopts=") for c in under_sanitizer), \
+        "the sanitizer runs one pytest process: no workers from PYTEST_ADDOPTS"
+    assert any(c.endswith("addopts=-n 12") for c in pytests if "sanitizer=1" not in c), "the test step keeps them"
     assert "overall: FAIL" in out.stdout and "PASS" in out.stdout
 
 
@@ -351,7 +363,8 @@ def test_unroll_step_runs_every_unroll_even_after_a_failure(stand_ins):
     assert out.returncode == 1
     assert _summary_rows(results) == {"unroll": "FAIL"}
     calls = [c for c in log.read_text().splitlines() if "relu_ext.bench" in c]
-    assert [re.search(r"--cuda-unroll (\d)", c).group(1) for c in calls] == ["1", "2", "4"]
+    variants = [re.search(r"--cuda-unroll (\d) --cuda-waves (\d) --what (\S+)", c).groups() for c in calls]
+    assert variants == [(k, w, "kernels,family" if k == "4" else "kernels") for w in "10" for k in "124"]
     assert all("--no-files" in c for c in calls)
     assert sorted(p.name for p in results.iterdir()) == ["env.json", "summary.txt"]
 

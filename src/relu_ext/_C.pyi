@@ -25,6 +25,15 @@ def set_cuda_unroll(rows: int) -> None:
     """Choose the CUDA kernels' unroll: 1, 2 or 4 (ValueError otherwise). For
     tests and tuning. Raises RuntimeError in a build without CUDA kernels."""
 
+def cuda_waves() -> int:
+    """Grid cap of the CUDA kernels in waves of resident blocks (0: no cap).
+    Raises RuntimeError in a build without CUDA kernels."""
+
+def set_cuda_waves(waves: int) -> None:
+    """Cap the CUDA kernels' grids at `waves` times the blocks that fit on the
+    device at once: 0 (no cap) to 64 (ValueError otherwise). For tests and
+    tuning. Raises RuntimeError in a build without CUDA kernels."""
+
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
     """relu_ext.relu for plain tensors in eager mode (the relu_ext::relu / relu_ op)."""
 

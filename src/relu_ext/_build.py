@@ -84,7 +84,9 @@ def build_info() -> dict[str, Any]:
         has them); ``cuda_arch_list`` and ``cuda_arch_source``: the GPU
         architectures compiled for and where that list came from;
         ``cpu_isa``: the CPU kernel set in use; ``cuda_unroll``: the CUDA
-        kernels' rows per warp and iteration (None without CUDA kernels);
+        kernels' rows per warp and iteration, ``cuda_waves``: their grid
+        cap in waves of resident blocks (0: none; both None without CUDA
+        kernels);
         ``built_with_torch``, ``torch``, ``torch_cuda``: the torch compiled
         against, the one running, and its CUDA version.
 
@@ -103,6 +105,7 @@ def build_info() -> dict[str, Any]:
         "cuda_arch_source": _config.CUDA_ARCH_SOURCE,
         "cpu_isa": _C.cpu_isa(),
         "cuda_unroll": _C.cuda_unroll() if _C.with_cuda else None,
+        "cuda_waves": _C.cuda_waves() if _C.with_cuda else None,
         "built_with_torch": _config.TORCH_VERSION,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,

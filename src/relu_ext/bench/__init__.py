@@ -6,7 +6,7 @@
                              [--model MODULE:CALLABLE --input-shape N,C,H,W]
                              [--impls torch,torch_out,compile,triton,seed,relu_ext,installed]
                              [--rounds N] [--budget S] [--max-spread F] [--quick]
-                             [--malloc steady|as-is] [--cuda-unroll 1|2|4]
+                             [--malloc steady|as-is] [--cuda-unroll 1|2|4] [--cuda-waves 0..64]
                              [--out DIR] [--name NAME] [--no-files]
 
     python -m relu_ext.bench --quick                  a smoke run of the default sections

@@ -69,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-unroll", type=int, choices=[1, 2, 4],
                    help="rows of 16-byte vectors each warp of relu_ext's CUDA kernels loads per iteration "
                         "(tuning: compare the compiled choices; default: the built-in one)")
+    p.add_argument("--cuda-waves", type=cuda_waves, metavar="0..64",
+                   help="cap relu_ext's CUDA grids at this many waves of the blocks that fit on the device at "
+                        "once; 0: no cap, one group of rows per warp, as PyTorch launches (tuning; default: 1)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run in under a minute on 2 cores: three sizes per section, fewer and shorter "
                         "rounds, tiny models")
@@ -81,6 +84,13 @@ def parser() -> argparse.ArgumentParser:
                    help="progress on stderr (default: a bar on a terminal, else a line every 15 s)")
     p.add_argument("--peak-worker", help=argparse.SUPPRESS)
     return p
+
+
+def cuda_waves(text: str) -> int:
+    """--cuda-waves: a whole number of waves, 0 (no grid cap) to 64."""
+    if not text.isdigit() or int(text) > 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of waves, 0 (no cap) to 64")
+    return int(text)
 
 
 def fail(p: argparse.ArgumentParser, message: str) -> None:
@@ -144,6 +154,10 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
         if args.device != "cuda":
             p.error(f"--cuda-unroll {args.cuda_unroll}: applies to --device cuda only")
         relu_ext._C.set_cuda_unroll(args.cuda_unroll)
+    if args.cuda_waves is not None:
+        if args.device != "cuda":
+            p.error(f"--cuda-waves {args.cuda_waves}: applies to --device cuda only")
+        relu_ext._C.set_cuda_waves(args.cuda_waves)
     if args.models:
         names = args.models.split(",")
     else:  # the user's own models (--model) replace the built-in ones
