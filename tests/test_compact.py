@@ -548,7 +548,7 @@ def test_two_valued_tensor_changed_in_place():
 
 def test_two_valued_not_kept_on_cuda_or_when_a_node_made_it():
     """Only tensors no node made (a tensor with a grad_fn may be an activation output, handled
-    elsewhere) and only on the CPU (CUDA: no kernel; its dropout keeps a bool mask)."""
+    elsewhere), and floating-point ones only on the CPU (CUDA: no kernel; bools are, below)."""
     w = torch.randn(8192, requires_grad=True)
     with relu_ext.save_compact() as sc:
         plain = torch.where(w > 0, 2.0, 0.0)  # (no node: w > 0 is not differentiable)
@@ -565,7 +565,64 @@ def test_two_valued_not_kept_on_cuda_or_when_a_node_made_it():
         assert sc.two_valued == 0 and sc.kept == 1, sc.report()
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.bool], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_tensors_kept_as_bits(device):
+    """A saved bool tensor that no node made (CUDA dropout's mask, a where's condition) is kept as
+    1 bit an element and comes back equal, in its own layout: odd sizes, channels_last, a
+    transposed one; also one whose bytes are not all 0 and 1 (viewed from uint8: True, as
+    PyTorch reads it, comes back as 1). Smaller ones, views that are not dense, and tensors a
+    node made are kept as they are."""
+    g = torch.Generator().manual_seed(7)
+    dense = [torch.rand(n, generator=g) < 0.4 for n in (4096, 4099, 10007)]
+    dense.append((torch.rand(2, 5, 31, 17, generator=g) < 0.7).contiguous(memory_format=torch.channels_last))
+    dense.append((torch.rand(97, 131, generator=g) < 0.5).t())
+    odd = torch.randint(0, 4, (8192,), dtype=torch.uint8, generator=g)
+    dense.append(odd.view(torch.bool))
+    left = [torch.rand(4095, generator=g) < 0.5, (torch.rand(200, 100, generator=g) < 0.5)[:, ::2]]
+    x = torch.randn(8, device=device, requires_grad=True)
+    ts = [t.to(device) for t in dense + left]
+    _SavesInts.restored = []
+    with relu_ext.save_compact() as sc:
+        out = _SavesInts.apply(x, lambda: ts)
+    assert (sc.two_valued, sc.kept) == (len(dense), len(left)), sc.report()
+    assert sc.bytes_held == sum((t.numel() + 7) // 8 for t in dense) + sum(t.nbytes for t in left), sc.report()
+    out.sum().backward()
+    for i, (got, want) in enumerate(zip(_SavesInts.restored, ts)):
+        assert got.dtype == torch.bool and got.device == want.device and got.stride() == want.stride(), i
+        assert torch.equal(got, want), i
+        if i != len(dense) - 1:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), i
+    assert torch.equal(_SavesInts.restored[len(dense) - 1].view(torch.uint8).cpu(), (odd != 0).view(torch.uint8))
+
+
+class _WhereDropout(torch.nn.Module):
+    """A graph that keeps bool tensors: torch.where's condition, and on CUDA dropout's mask (on the
+    CPU, dropout keeps float noise of 0 and 1 / (1 - p), also two-valued)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(64, 64).to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = torch.where(h > 0.1, h, h * 0.5)  # keeps `h > 0.1` for backward
+        return F.dropout(self.lin(h), 0.25, training=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_where_condition_and_dropout_mask_kept_as_bits(device):
+    """The step is bitwise the same as without the hooks; the condition and the dropout's
+    mask or noise are kept as bitmaps."""
+    net, x = _WhereDropout(device), torch.randn(256, 64, device=device)
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(net, x, sc), train_step(net, x, contextlib.nullcontext()))
+    assert sc.two_valued == 2, sc.report()
+    bools = 2 if device == "cuda" else 1  # 1 byte an element each, kept in 1 bit
+    assert sc.bytes_saved_for_backward - sc.bytes_held >= bools * (x.numel() - x.numel() // 8), sc.report()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64], ids=str)
 def test_two_valued_leaves_other_dtypes_alone(dtype):
     """A tensor of 0 and 2 in a dtype the kernels do not take is saved as it is, not an error."""
     x = torch.randn(8, requires_grad=True)

@@ -44,9 +44,10 @@ And always: an integer tensor that only the graph holds
 (max-pool indices) is kept in the narrowest integer type that holds its
 values, decided when the context exits (``Narrowed``); and a floating-point
 tensor that no node made, of +0 and one other bit pattern (CPU dropout's
-noise, 0 and 1 / (1 - p), 4 bytes an element where CUDA's dropout keeps a
-bool), as the bitmap of its nonzero elements and that pattern, from when it
-is saved (``TwoValued``, ``relu_ext::binary_mask`` / ``binary_expand``).
+noise, 0 and 1 / (1 - p), 4 bytes an element), as the bitmap of its nonzero
+elements and that pattern, from when it is saved (``TwoValued``,
+``relu_ext::binary_mask`` / ``binary_expand``); a bool tensor that no node
+made (CUDA dropout's mask, 1 byte an element) likewise, on the CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -452,7 +453,8 @@ class Narrowed(_Shared):
 class TwoValued(_Shared):
     """A saved floating-point tensor that no node made, of +0 and one other bit pattern (CPU
     dropout's noise), as the bitmap of its nonzero elements and that pattern, rebuilt for backward
-    bit for bit in its own layout.
+    bit for bit in its own layout. A bool tensor (CUDA dropout's mask) likewise, on any device, with
+    no pattern to keep: bits packed and unpacked with PyTorch's own ops (_bool_bits), so no host sync.
 
     Made when the tensor is saved, so the tensor is freed as soon as nothing else holds it (the
     step's peak falls too); where something does, the bitmap adds 1/32 of its bytes (float32). A
@@ -461,14 +463,16 @@ class TwoValued(_Shared):
 
     __slots__ = ("mask", "value", "size", "stride", "ref", "version")
 
-    def __init__(self, mask: Tensor, value: Tensor, t: Tensor) -> None:
-        super().__init__(mask.nbytes + value.nbytes)
+    def __init__(self, mask: Tensor, value: Tensor | None, t: Tensor) -> None:
+        super().__init__(mask.nbytes + (0 if value is None else value.nbytes))
         self.mask, self.value, self.size, self.stride = mask, value, t.size(), t.stride()
         self.ref, self.version = weakref.ref(t), t._version
 
     @staticmethod
     def of(t: Tensor) -> TwoValued | None:
         """`t` as a bitmap and its one nonzero bit pattern, or None where it has a second one."""
+        if t.dtype == torch.bool:
+            return TwoValued(_bool_bits(t), None, t)
         mask, value, ok = _ops.binary_mask(t)
         return TwoValued(mask, value, t) if bool(ok) else None
 
@@ -477,6 +481,8 @@ class TwoValued(_Shared):
         t = self.ref()
         if t is not None:
             _check_version(t, self.version, "checked by relu_ext.save_compact, which saved it as a bitmap")
+        if self.value is None:
+            return _bools_of(self.mask, self.size, self.stride)
         return _ops.binary_expand(self.mask, self.value, self.size, self.stride)
 
     def fresh(self) -> bool:
@@ -486,7 +492,33 @@ class TwoValued(_Shared):
 
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
-        return self.mask, self.value
+        return (self.mask,) if self.value is None else (self.mask, self.value)
+
+
+def _memory_order(t: Tensor) -> Tensor:
+    """Dense `t`'s elements as a 1-D view in the order they lie in memory."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _bool_bits(t: Tensor) -> Tensor:
+    """Dense bool `t` as a bitmap in memory order (element i: bit i % 8 of byte i // 8, as
+    relu_ext's masks), on t's device: each group of 8 bytes shifted into one. A byte other than 0
+    and 1 (a bool made by viewing other bytes) counts as True."""
+    flat = _memory_order(t).view(torch.uint8) != 0  # one 0/1 byte per element, whatever the bytes held
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    shifts = torch.arange(8, dtype=torch.uint8, device=t.device)
+    return (flat.view(torch.uint8).view(-1, 8) << shifts).sum(1, dtype=torch.uint8)
+
+
+def _bools_of(bits: Tensor, size: torch.Size, stride: tuple[int, ...]) -> Tensor:
+    """The bool tensor of _bool_bits' bitmap, in layout (size, stride)."""
+    out = torch.empty_strided(size, stride, dtype=torch.bool, device=bits.device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    unpacked = (bits.unsqueeze(1) >> shifts) & 1
+    _memory_order(out).copy_(unpacked.view(-1)[: out.numel()].view(torch.bool))
+    return out
 
 
 class Pooled(_Shared):
@@ -753,8 +785,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     with recompute), a max-pool output as the pool's input at its indices
     (*pooled*, with recompute), an integer tensor only the graph holds (max-pool
     indices) in the narrowest type that holds it (*narrowed*, at the exit), and
-    one of +0 and one other value that no node made (CPU dropout's noise) as a
-    bitmap (*two_valued*). Data changed in place after the forward gives
+    one of +0 and one other value that no node made (dropout's noise, a bool
+    tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives
     backward the values it had then or PyTorch's in-place error, never new data.
 
     ``with`` gives the context, which counts what its hooks did (over all its
@@ -1013,8 +1045,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                f"held in {_size(st.narrowed_held)} (max-pool indices and the like, in a narrower integer type)"]
               if st.narrowed else []),
             *([f"  two-valued: {st.two_valued} tensor{'s' * (st.two_valued != 1)}, {_size(st.two_valued_bytes)} "
-               f"held in {_size(st.two_valued_held)} (zeros and one other value, such as CPU dropout's noise, as a "
-               f"bitmap)"] if st.two_valued else []),
+               f"held in {_size(st.two_valued_held)} (zeros and one other value, such as dropout's noise or mask, "
+               f"as a bitmap)"] if st.two_valued else []),
             f"  kept as they are: {self.kept} tensor{'s' * (self.kept != 1)}, {_size(st.kept_bytes)}"
             + (f": {why}" if why else ""),
         ])
@@ -1075,15 +1107,16 @@ _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _two_valued_candidate(t: Tensor) -> bool:
-    """Whether `t` may be kept as a bitmap (see TwoValued): a plain dense CPU floating-point
-    tensor of at least 4096 elements that no node made (an activation output is not)."""
+    """Whether `t` may be kept as a bitmap (see TwoValued): a plain dense tensor of at least 4096
+    elements that no node made (an activation output is not), floating-point on the CPU (the
+    kernels of binary_mask) or bool on the CPU or CUDA."""
     return (
         t.grad_fn is None
-        and t.dtype in _FLOATS
         and not t.requires_grad
         and type(t) is torch.Tensor
         and t.layout == torch.strided
-        and t.device.type == "cpu"
+        and ((t.dtype in _FLOATS and t.device.type == "cpu")
+             or (t.dtype == torch.bool and t.device.type in ("cpu", "cuda")))
         and t.numel() >= _MIN_NUMEL
         and _is_dense(t)
     )
