@@ -39,9 +39,9 @@
 #
 # Through the device tool (one command runs at most 10 minutes, 15 minutes of device time a session,
 # and $OUT comes back: at most 8 files). Measured on an H100 with 16 cores (2026-11-26): start about
-# 1 min; build 60 s (one arch); the whole suite 264 s with pytest-xdist (without it, more than 10 min);
-# the three sanitizer tools 90 s (one pytest process each: the sanitize step drops PYTEST_ADDOPTS);
-# bench --quick 94 s; unroll ~2-3 min (6 variants, measured 48 s for 3 on 2026-11-25). The image has no
+# 1 min; build 60 s (one arch); the whole suite 264 s with pytest-xdist (without it, more than 10 min;
+# an H200 the same day: 350 s); the three sanitizer tools 90 s (one pytest process each: the sanitize
+# step drops PYTEST_ADDOPTS); bench --quick 94 s; unroll 111 s (6 variants, H200). The image has no
 # expecttest (one test of the OpInfo samples skips without it): carry its wheel.
 #   call 1, ~8 min:  PYTEST_ADDOPTS="-n 12" OMP_NUM_THREADS=1 \
 #                    bash bench/gpu_check.sh --out "$OUT" --steps build,test,sanitize --deadline 570

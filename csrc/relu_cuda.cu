@@ -25,12 +25,13 @@ namespace {
 // with 4, 57-69% with 2 and 33-40% with 1; float32 at 92-97% with each.
 constexpr int kDefaultUnroll = 4;
 std::atomic<int> g_unroll{kDefaultUnroll};
-// Grid cap in waves (set_cuda_waves): 1, one wave of resident blocks that
-// grid-stride; 0, no cap. 1 until an H100 says otherwise: there (2026-11-26,
-// ncu, 64M elements) relu_ext's forwards reached 82% (float32) and 72%
-// (bfloat16) of peak DRAM throughput where PyTorch's uncapped grids of short
-// blocks reached 87% and 85%, on the same bytes.
-std::atomic<int> g_waves{1};
+// Grid cap in waves (set_cuda_waves): 0, no cap (every block needed, each
+// warp one group of rows, as PyTorch launches); W, at most W waves of resident
+// blocks that grid-stride. 0: on an H200 (2026-11-26) float32 forwards at 256M
+// ran at 98% of a copy uncapped and 92% with one wave (time vs torch 1.02 and
+// 1.09), the mask backward 0.71 and 0.74; bfloat16 tied or gained. ncu on an
+// H100 had shown the one-wave grids' lower DRAM rate on the same bytes.
+std::atomic<int> g_waves{0};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 

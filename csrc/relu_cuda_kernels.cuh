@@ -8,8 +8,9 @@
 // takes K consecutive rows per loop iteration: it issues all K loads before
 // it uses the first, so that each thread has K * 16 bytes in flight (the
 // unroll, a run-time choice among the compiled K = 1, 2, 4: set_cuda_unroll).
-// Forward: ballot j of a row collects bit j of every lane; regrouping the V
-// ballots gives the V 32-bit mask words of the row, which lanes 0..V-1 store.
+// Forward: a lane's V elements are consecutive, so its V mask bits are
+// consecutive too; the lanes of each 32-bit mask word pool theirs with
+// shuffles (row_word), and one lane per word stores it.
 // Backward: the V mask bits of a lane's vector share one byte. nonzero_kernel
 // builds its bitmap as the forward does; compaction has its own section below.
 // Indices are 64-bit throughout; loops are grid-stride, so any grid covers any
@@ -18,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "activations.h"
 #include "relu.h"
@@ -33,63 +35,24 @@ struct alignas(sizeof(U) * V) Pack {
   U v[V];
 };
 
-// Moves bit i of `x` to bit i * V, for i < 32 / V.
+// The mask word of a row's elements 32w .. 32w+31, w = lane / (32 / V), in
+// lanes that are multiples of 32 / V. `bits`: this lane's V mask bits (bit
+// j: its element j, all higher bits 0). A lane's V elements are consecutive,
+// so the lanes of a word pool their bits in log2(32 / V) shuffles: at step
+// d, lane l takes the d * V bits that lane l + d has so far (l ^ d == l + d
+// for every lane a word's lane reads from). One ballot when V == 1. The
+// other lanes get bits they do not store.
 template <int V>
-RELU_HD constexpr uint32_t spread(uint32_t x) {
-  if constexpr (V == 2) {
-    x = (x | (x << 8)) & 0x00FF00FFu;
-    x = (x | (x << 4)) & 0x0F0F0F0Fu;
-    x = (x | (x << 2)) & 0x33333333u;
-    return (x | (x << 1)) & 0x55555555u;
-  } else if constexpr (V == 4) {
-    x = (x | (x << 12)) & 0x000F000Fu;
-    x = (x | (x << 6)) & 0x03030303u;
-    return (x | (x << 3)) & 0x11111111u;
-  } else if constexpr (V == 8) {
-    x = (x | (x << 14)) & 0x00030003u;
-    return (x | (x << 7)) & 0x01010101u;
-  } else {
-    static_assert(V == 1, "V must be 1, 2, 4 or 8");
-    return x;
-  }
-}
-
-// Mask word k (elements 32k .. 32k+31 of the tile) from the tile's ballots.
-// Element e of the tile sits in lane e / V, slot e % V, so word k takes
-// L = 32 / V lanes from each ballot and interleaves them.
-template <int V>
-RELU_HD constexpr uint32_t tile_word(const uint32_t (&ballot)[V], int k) {
+__device__ __forceinline__ uint32_t row_word(uint32_t bits) {
   if constexpr (V == 1) {
-    return ballot[0];
+    return __ballot_sync(0xFFFFFFFFu, bits != 0);
   } else {
-    constexpr int L = 32 / V;
-    uint32_t w = 0;
-    for (int j = 0; j < V; ++j) w |= spread<V>((ballot[j] >> (k * L)) & ((1u << L) - 1)) << j;
-    return w;
+    static_assert(V == 2 || V == 4 || V == 8, "V must be 1, 2, 4 or 8");
+#pragma unroll
+    for (int d = 1; d < 32 / V; d *= 2) bits |= __shfl_xor_sync(0xFFFFFFFFu, bits, d) << (d * V);
+    return bits;
   }
 }
-
-// Compile-time proof of tile_word against the definition, bit by bit.
-template <int V>
-constexpr bool tile_word_is_right() {
-  const uint32_t patterns[] = {0xFFFFFFFFu, 0x80000001u, 0x12345678u, 0xDEADBEEFu, 0x0F0F00F0u};
-  for (uint32_t seed : patterns) {
-    uint32_t ballot[V] = {};
-    for (int j = 0; j < V; ++j) ballot[j] = seed * (2u * j + 1u) ^ (seed >> j);
-    for (int k = 0; k < V; ++k) {
-      uint32_t want = 0;
-      for (int bit = 0; bit < 32; ++bit) {
-        const int e = 32 * k + bit;
-        want |= ((ballot[e % V] >> (e / V)) & 1u) << bit;
-      }
-      if (tile_word<V>(ballot, k) != want) return false;
-    }
-  }
-  return true;
-}
-static_assert(tile_word_is_right<1>() && tile_word_is_right<2>() && tile_word_is_right<4>() &&
-                  tile_word_is_right<8>(),
-              "mask word regrouping is wrong");
 
 // V elements at `base` (a multiple of V); past `n`, +0 (a dropped element: mask bit 0).
 template <typename U, int V>
@@ -101,10 +64,42 @@ __device__ __forceinline__ Pack<U, V> load(const U* p, int64_t base, int64_t n) 
   return v;
 }
 
+// A 16-byte Pack at p (16-byte aligned) with one 16-byte store. nvcc (13.0)
+// stored a Pack, or a uint4 made of its words, as 4 to 8 narrow stores
+// (st.global.u16 or .u32) in some loops, which held bfloat16 forwards to
+// 38-88% of a copy's bandwidth on an H200; PTX says what to store. 16-bit
+// elements are paired into words with shifts.
+template <typename U, int V>
+__device__ __forceinline__ void store16(U* p, const Pack<U, V>& v) {
+  static_assert(sizeof(v) == 16, "a 16-byte Pack");
+  uint32_t w[4];
+  if constexpr (sizeof(U) == 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint16_t lo, hi;
+      memcpy(&lo, &v.v[2 * j], 2);
+      memcpy(&hi, &v.v[2 * j + 1], 2);
+      w[j] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+  } else {
+    memcpy(w, &v, 16);
+  }
+#if defined(__CUDA_ARCH__)
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+               : "memory");
+#else
+  memcpy(p, w, 16);
+#endif
+}
+
 template <typename U, int V>
 __device__ __forceinline__ void store(U* p, int64_t base, int64_t n, const Pack<U, V>& v) {
   if (base + V <= n) {
-    *reinterpret_cast<Pack<U, V>*>(p + base) = v;
+    if constexpr (sizeof(v) == 16) {
+      store16(p + base, v);
+    } else {
+      *reinterpret_cast<Pack<U, V>*>(p + base) = v;
+    }
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -124,11 +119,20 @@ __device__ __forceinline__ void store_mask_word(uint8_t* mask, int64_t word, uin
   }
 }
 
+// Row `row`'s mask words from each lane's V bits (row_word), stored by the
+// lanes that hold them. Every lane of the warp must call it.
+template <int V>
+__device__ __forceinline__ void store_row_mask(uint8_t* mask, int64_t row, int lane, uint32_t bits, int64_t n) {
+  constexpr int kLanesPerWord = 32 / V;
+  const uint32_t w = row_word<V>(bits);
+  if (lane % kLanesPerWord == 0) store_mask_word(mask, row * V + lane / kLanesPerWord, w, n);
+}
+
 // The kernels' loop: groups of K rows of 32 * V elements, grid-stride, one
 // group per warp at a time. body(row, lane) runs with the group's first row;
 // lane `lane` has the V elements from row * 32 * V + lane * V in each row.
 // The group is the same for the whole warp, so every lane reaches every
-// ballot in the body.
+// collective in the body.
 template <int V, int K, typename Body>
 __device__ __forceinline__ void for_each_group(int64_t n, Body&& body) {
   constexpr int64_t kGroup = int64_t(32) * V * K;
@@ -153,15 +157,15 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < K; ++k) {
       const int64_t row = row0 + k;
       P out;
-      uint32_t ballot[V];
+      uint32_t bits = 0;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const bool keep = relu_keep<U, kInf>(in[k].v[j]);
         out.v[j] = relu_value(in[k].v[j], keep);
-        ballot[j] = __ballot_sync(0xFFFFFFFFu, keep);
+        bits |= uint32_t(keep) << j;
       }
       store<U, V>(y, row * kRow + lane * V, n, out);
-      if (mask != nullptr && lane < V) store_mask_word(mask, row * V + lane, tile_word<V>(ballot, lane), n);
+      if (mask != nullptr) store_row_mask<V>(mask, row, lane, bits, n);
     }
   });
 }
@@ -206,14 +210,14 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < K; ++k) {
       const int64_t base = (row0 + k) * kRow + lane * V;
       P out;
-      uint32_t ballot[V];
+      uint32_t bits = 0;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         out.v[j] = Act::template forward<true>(in[k].v[j], p);
-        ballot[j] = __ballot_sync(0xFFFFFFFFu, base + j < n && Act::keep(in[k].v[j], p));
+        bits |= uint32_t(base + j < n && Act::keep(in[k].v[j], p)) << j;
       }
       store<T, V>(y, base, n, out);
-      if (mask != nullptr && lane < V) store_mask_word(mask, (row0 + k) * V + lane, tile_word<V>(ballot, lane), n);
+      if (mask != nullptr) store_row_mask<V>(mask, row0 + k, lane, bits, n);
     }
   });
 }
@@ -403,10 +407,10 @@ __global__ void __launch_bounds__(kThreads) nonzero_kernel(const U* __restrict__
     for (int k = 0; k < K; ++k) in[k] = load<U, V>(y, (row0 + k) * kRow + lane * V, n);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      uint32_t ballot[V];
+      uint32_t bits = 0;
 #pragma unroll
-      for (int j = 0; j < V; ++j) ballot[j] = __ballot_sync(0xFFFFFFFFu, in[k].v[j] != U(0));
-      if (lane < V) store_mask_word(mask, (row0 + k) * V + lane, tile_word<V>(ballot, lane), n);
+      for (int j = 0; j < V; ++j) bits |= uint32_t(in[k].v[j] != U(0)) << j;
+      store_row_mask<V>(mask, row0 + k, lane, bits, n);
     }
   });
 }

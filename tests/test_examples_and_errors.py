@@ -155,17 +155,18 @@ def test_cuda_unroll_choice():
 
 @pytest.mark.skipif(not _C.with_cuda, reason="built without CUDA kernels")
 def test_cuda_waves_choice():
-    """The CUDA grid cap (tests and tuning) takes 0 (none) to 64 waves, nothing else."""
+    """The CUDA grid cap (tests and tuning) is off by default (0) and takes 0 to 64 waves,
+    nothing else."""
     previous = _C.cuda_waves()
-    assert previous == 1 and relu_ext.build_info()["cuda_waves"] == 1
+    assert previous == 0 and relu_ext.build_info()["cuda_waves"] == 0
     try:
-        for waves in (0, 1, 2, 64):
+        for waves in (1, 2, 64, 0):
             _C.set_cuda_waves(waves)
             assert _C.cuda_waves() == waves and relu_ext.build_info()["cuda_waves"] == waves
         for bad in (-1, 65, 1 << 40):
             with pytest.raises(ValueError, match=f"takes 0 \\(no cap\\) to 64 waves, not {bad}"):
                 _C.set_cuda_waves(bad)
-            assert _C.cuda_waves() == 64
+            assert _C.cuda_waves() == 0
     finally:
         _C.set_cuda_waves(previous)
 

@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
                         "(tuning: compare the compiled choices; default: the built-in one)")
     p.add_argument("--cuda-waves", type=cuda_waves, metavar="0..64",
                    help="cap relu_ext's CUDA grids at this many waves of the blocks that fit on the device at "
-                        "once; 0: no cap, one group of rows per warp, as PyTorch launches (tuning; default: 1)")
+                        "once; 0: no cap, one group of rows per warp, as PyTorch launches (the default; tuning)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run in under a minute on 2 cores: three sizes per section, fewer and shorter "
                         "rounds, tiny models")
