@@ -1090,16 +1090,19 @@ def _alias(t: Tensor, base: Tensor) -> bool:
             and t.stride() == base.stride() and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj())
 
 
+def _plain_dense(t: Tensor) -> bool:
+    """Whether `t` is a plain strided tensor (no subclass) on the CPU or CUDA, of at least 4096
+    elements, that fills a block of memory exactly once: what narrowing and bitmaps take."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+            and t.numel() >= _MIN_NUMEL and _is_dense(t))
+
+
 def _narrowable(t: Tensor) -> bool:
     """Whether `t` is an integer tensor that may be kept narrower (see Narrowed)."""
     return (
         t.dtype in (torch.int64, torch.int32, torch.int16)
-        and type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and t.device.type in ("cpu", "cuda")
-        and t.numel() >= _MIN_NUMEL
         and not t._is_view()  # (its base's storage may be held elsewhere)
-        and _is_dense(t)
+        and _plain_dense(t)
     )
 
 
@@ -1113,12 +1116,8 @@ def _two_valued_candidate(t: Tensor) -> bool:
     return (
         t.grad_fn is None
         and not t.requires_grad
-        and type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and ((t.dtype in _FLOATS and t.device.type == "cpu")
-             or (t.dtype == torch.bool and t.device.type in ("cpu", "cuda")))
-        and t.numel() >= _MIN_NUMEL
-        and _is_dense(t)
+        and ((t.dtype in _FLOATS and t.device.type == "cpu") or t.dtype == torch.bool)
+        and _plain_dense(t)
     )
 
 
