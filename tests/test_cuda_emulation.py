@@ -1,5 +1,5 @@
 """The CUDA device code, run on the CPU by tests/cuda_emulation.cpp (one
-fiber per lane, ballots across the 32 lanes of a warp): every kernel, dtype,
+fiber per lane, ballots and shuffles across the 32 lanes of a warp): every kernel, dtype,
 vector width and unroll against the element-wise contract, at every row,
 group and mask-word edge and past several grid-stride passes, with guards
 around every output and AddressSanitizer on every input. It needs no GPU, so
