@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -19,6 +20,12 @@ HAS_GPU = torch.cuda.is_available()
 # CUDA runs wherever a GPU is visible, whether or not this build has CUDA
 # kernels: a build that lacks them then fails instead of skipping.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU visible"))]
+
+
+def tool_env() -> dict[str, str]:
+    """This process's environment without the sanitizer leg's preloaded ASan runtime and its
+    options: for a compiler or tool run from a test (it must not run under them)."""
+    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
 
 
 def _supported_isas() -> list[str]:

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import tool_env
 
 import relu_ext
 from relu_ext import _C
@@ -40,8 +41,7 @@ def _cuobjdump() -> str | None:
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     """Runs a tool without the sanitizer leg's preloaded ASan runtime (a leak report in
     cuobjdump would fail its exit status)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=tool_env())
 
 
 def _sass_functions(text: str) -> dict[str, list[str]]:

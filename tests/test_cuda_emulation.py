@@ -13,16 +13,11 @@ import subprocess
 import warnings
 from pathlib import Path
 
+from conftest import tool_env
 from torch.utils import cpp_extension
 
 HARNESS = Path(__file__).with_name("cuda_emulation.cpp")
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-
-
-def _env() -> dict[str, str]:
-    """Without the sanitizer leg's preloaded ASan runtime and its options (the
-    compiler must not run under it; the harness brings its own)."""
-    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
 
 
 def _cxx() -> str:
@@ -33,7 +28,7 @@ def _compile(out: Path, extra: list[str]) -> subprocess.CompletedProcess:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     cmd = [_cxx(), "-std=c++20", "-O1", "-g0", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", *extra,
            *includes, str(HARNESS), "-o", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
 
 
 def test_cuda_kernels_emulated_on_the_cpu(tmp_path):
@@ -43,12 +38,12 @@ def test_cuda_kernels_emulated_on_the_cpu(tmp_path):
         probe = tmp_path / "probe.cpp"
         probe.write_text("int main() { return 0; }\n")
         no_asan = subprocess.run([_cxx(), *SANITIZE, str(probe), "-o", str(tmp_path / "p")],
-                                 capture_output=True, text=True, env=_env())
+                                 capture_output=True, text=True, env=tool_env())
         assert no_asan.returncode != 0, f"the harness did not compile:\n{built.stderr[-4000:]}"
         warnings.warn("this compiler cannot build with AddressSanitizer: the emulation runs without it")
         built = _compile(exe, [])
         assert built.returncode == 0, f"the harness did not compile:\n{built.stderr[-4000:]}"
-    env = dict(_env(), ASAN_OPTIONS="detect_leaks=0:detect_stack_use_after_return=0")
+    env = dict(tool_env(), ASAN_OPTIONS="detect_leaks=0:detect_stack_use_after_return=0")
     run = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0 and "emulation: all passed" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
     checks = int(run.stdout.split("(")[1].split()[0])
