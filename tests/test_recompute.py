@@ -99,6 +99,46 @@ def test_residual_replay_matches_pytorch(dtype, shape, layout, cpu_isa):
             assert not bool(_ops.bn_act_verify(x, alpha, beta, act, args, want)), name  # (the add counts)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_vector_sets_replay_every_16_bit_pattern_as_the_portable_loop(dtype, layout, cpu_isa):
+    """The vector sets take the 16-bit types through float a block at a time (float16 with the
+    hardware's conversions, bfloat16 on the bits), the portable set computes on the type itself:
+    every one of the 65536 bit patterns (NaNs, ±inf, ±0.0, denormals, rounding ties after the fma) as x
+    and as the residual's second input must rebuild to the same values in each (the same bits in
+    bfloat16), and verification must see one flipped bit."""
+    if cpu_isa == "scalar":
+        pytest.skip("the portable loop is the reference here")
+    g = torch.Generator().manual_seed(3)
+    c = 5
+    shape = (1, c, 71, 185)  # planes of 205 blocks and a tail; channels_last rows shorter than a block
+    n = 71 * 185 * c
+    bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).repeat(2)[:n]
+    x = _layout(bits[torch.randperm(n, generator=g)].view(dtype).reshape(shape), layout)
+    x2 = _layout(bits.view(dtype).reshape(shape), layout)  # (in order: ties next to their neighbours)
+    alpha = torch.tensor([1.0, -1.5, 3.0e-3, 0.75, 1.0 + 2.0**-9])
+    beta = torch.tensor([-0.0, 0.5, -7.0, 2.0**-130, 1.0e4])
+    cases = [(), (x2, torch.ones(c), torch.full((c,), -0.0)), (x2, alpha.flip(0), beta.flip(0))]
+    for name, (act, args, _) in ACTS.items():
+        for extra in cases:
+            got = _ops.bn_act_rebuild(x, alpha, beta, act, args, *extra)
+            relu_ext._C.set_cpu_isa("scalar")
+            want = _ops.bn_act_rebuild(x, alpha, beta, act, args, *extra)
+            relu_ext._C.set_cpu_isa(cpu_isa)
+            what = f"{name}, {len(extra)} extra"
+            if dtype == torch.bfloat16:  # (every NaN is 0x7FC0 in both, as c10's conversion writes it)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), what
+            else:  # (the hardware's conversion keeps a NaN's payload, c10's does not, as in PyTorch's loops)
+                assert_bitwise_equal(got, want, what)
+            assert bool(_ops.bn_act_verify(x, alpha, beta, act, args, got, *extra)), what
+            flipped = got.clone()
+            torch.as_strided(flipped.view(torch.int16), (n,), (1,))[-1] ^= 1  # the last in memory: a tail
+            assert not bool(_ops.bn_act_verify(x, alpha, beta, act, args, flipped, *extra)), what
+            torch.as_strided(flipped.view(torch.int16), (n,), (1,))[-1] ^= 1
+            torch.as_strided(flipped.view(torch.int16), (n,), (1,))[64 * 5 + 1] ^= 2  # inside a block
+            assert not bool(_ops.bn_act_verify(x, alpha, beta, act, args, flipped, *extra)), what
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_verification_sees_one_changed_element(dtype, cpu_isa):
     x, bn, w, b, mean, var, eps = _bn_case(dtype, (4, 8, 16, 16), "contiguous", True, affine=True)
