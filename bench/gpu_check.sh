@@ -47,6 +47,8 @@
 #                    bash bench/gpu_check.sh --out "$OUT" --steps build,test,sanitize --deadline 570
 #   call 2, at once on the still-warm machine (it goes back after 30 s idle; without build the
 #                    installed one is used): bash bench/gpu_check.sh --out "$OUT" --steps unroll --deadline 240
+#                    && python3 bench/bn_probe.py --device cuda --out "$OUT/bn_probe"   (seconds; needs no
+#                    build: which formula gives CUDA's BatchNorm output, for a CUDA replay)
 #   later sessions: --steps bench --quick; the real models compiled (torch.compile, nn.ReLU vs relu_ext):
 #                    BENCH_ARGS="--what compiled --models resnet18,resnet50,vgg11 --dtypes float32" \
 #                    bash bench/gpu_check.sh --out "$OUT" --steps build,bench --deadline 570

@@ -774,3 +774,43 @@ def test_make_readme_tabulates_each_results_file(result, tmp_path):
     assert mr.main(check[1:]) == 0 and readme.read_text() == text and mr.main(check) == 0
     (results / "run.json").write_text(json.dumps(dict(res, environment=dict(res["environment"], torch="9.9"))))
     assert mr.main(check) == 1  # stale
+
+
+def bn_probe():
+    """bench/bn_probe.py (the GPU sessions' BatchNorm formula probe) as a module."""
+    path = ROOT / "bench" / "bn_probe.py"
+    if not path.exists():
+        pytest.skip("no bench/bn_probe.py here (an unpacked sdist)")
+    spec = importlib.util.spec_from_file_location("bn_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_bn_probe_tells_the_cpu_formula_apart(dtype):
+    """On the CPU the probe's emulation of PyTorch's own formula (the replay's: fma(x, alpha, beta))
+    must give every element, and in float32 the others must be told apart from it: else a GPU run's
+    table of hit rates would say nothing."""
+    probe = bn_probe()
+    for layout in ("contiguous", "channels_last"):
+        for training in (True, False):
+            row = probe.probe_case(dtype, layout, training, "cpu")
+            assert row["node"] == "NativeBatchNormBackward0"
+            assert row["match"]["cpu fma(x, alpha, beta)"] == 1.0, row
+            if dtype == torch.float32:
+                others = [v for k, v in row["match"].items() if k != "cpu fma(x, alpha, beta)"]
+                assert len(others) == 5 and max(others) < 0.9, row
+
+
+def test_bn_probe_writes_its_table(tmp_path):
+    probe = bn_probe()
+    lines = []
+    assert probe.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "bn_probe.json").read_text())
+    assert data["env"]["torch"] == torch.__version__
+    assert len(data["rows"]) == 3 * 2 * 2  # dtypes x layouts x modes
+    assert {r["mode"] for r in data["rows"]} == {"train", "eval"}
+    assert all("_saved_input" in r["saved"] for r in data["rows"])
+    probe.run("cpu", [False], log=lines.append)
+    assert len(lines) == 12 and "best:" in lines[0]
