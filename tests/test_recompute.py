@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import relu_ext
 from relu_ext import compact
-from conftest import assert_bitwise_equal, assert_same_step, train_step
+from conftest import INT_OF, assert_bitwise_equal, assert_same_step, train_step
 
 _ops = torch.ops.relu_ext
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -424,6 +424,45 @@ def test_concatenation_changed_after_forward_raises():
             first[0].add_(1.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+def test_same_bits_on_device_compares_bits_not_values():
+    """The comparison concatenations and pools are verified with off the CPU (integer views, one sync),
+    run here on CPU tensors: -0.0 is not +0.0, NaN payloads count, NaN meets itself, strides do not
+    matter, and one differing element among several pairs is seen."""
+    from conftest import adversarial
+
+    for dtype in DTYPES:
+        a = adversarial(4096, dtype, seed=5).view(64, 64)
+        b = a.t().contiguous().t()  # the same values, another layout
+        assert compact._same_bits_on_device([(a, b), (a[1:], b[1:])])
+        for i in (0, 2049, 4095):
+            c = b.clone()
+            torch.as_strided(c.view(INT_OF[dtype]), (4096,), (1,))[i] ^= 1  # one bit: a NaN's payload, a denormal, the last one
+            assert not compact._same_bits_on_device([(a, b), (a, c)]), (dtype, i)
+        z, mz = torch.zeros(4, dtype=dtype), torch.full((4,), -0.0, dtype=dtype)
+        assert not compact._same_bits_on_device([(z, mz)]) and z.equal(mz)  # (equal as numbers)
+    assert compact._same_bits_on_device([])
+    with pytest.raises(ValueError, match="same shape"):
+        compact._same_bits_on_device([(torch.zeros(3), torch.zeros(4))])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_concatenations_and_pools_are_kept_as_recipes_on_cuda(dtype):
+    """On CUDA too (no BatchNorm replay there yet): a dense block's concatenations kept in pieces, a
+    max-pool output gathered from its input; bitwise the same step."""
+    model = _DenseBlocks(NETS["nn.ReLU"], dtype).train().cuda()
+    x = torch.randn(2, 3, 32, 32, dtype=dtype, device="cuda")
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert sc.concatenated == 8, sc.report()
+    torch.manual_seed(0)
+    pool = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                               torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(16, 4, 3, padding=1)).to("cuda", dtype)
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(pool, x, sc), train_step(pool, x, contextlib.nullcontext()))
+    assert sc.pooled == 1, sc.report()
 
 
 POOLS = {"2": dict(kernel_size=2), "3s2p1": dict(kernel_size=3, stride=2, padding=1),

@@ -334,7 +334,7 @@ class Concatenated(_Shared):
             return False
         lengths = [piece.shape[dim] for piece in self.pieces]
         parts = t.split([*lengths, t.shape[dim] - self.size[dim]], dim)
-        return all(_C.same_bits(part, piece) for part, piece in zip(parts, self.pieces))
+        return _same_bits(list(zip(parts, self.pieces)))
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
@@ -375,15 +375,35 @@ def _concatenation(t: Tensor, dim: int, chains: dict[tuple[Any, ...], Any]) -> C
 
 def _rebuildable(t: Tensor) -> str | None:
     """The node name of a tensor kept as a recipe of what other nodes keep where its node is
-    ``torch.cat``'s or ``max_pool2d``'s: a plain dense CPU floating-point tensor; else None. (On CUDA
-    each verification would be a host sync: not yet.)"""
+    ``torch.cat``'s or ``max_pool2d``'s: a plain dense floating-point tensor on the CPU or CUDA
+    (where its verification costs one host sync, as a compaction's size does); else None."""
     fn = t.grad_fn
     name = None if fn is None else fn.name()
     if name not in ("CatBackward0", "MaxPool2DWithIndicesBackward0") or not t.is_floating_point():
         return None
-    if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != "cpu":
-        return None
-    return name if t.numel() >= _MIN_NUMEL and _is_dense(t) else None
+    return name if _plain_dense(t) else None
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(pairs: list[tuple[Tensor, Tensor]]) -> bool:
+    """Whether the two tensors of each pair (same sizes and dtype, any strides) hold the same bits:
+    NaN payloads and the sign of zero count. A memcmp on the CPU; elsewhere _same_bits_on_device."""
+    if all(a.device.type == "cpu" for a, _ in pairs):
+        return all(_C.same_bits(a, b) for a, b in pairs)
+    return _same_bits_on_device(pairs)
+
+
+def _same_bits_on_device(pairs: list[tuple[Tensor, Tensor]]) -> bool:
+    """_same_bits with tensor ops: the pairs compared as integers of their width (bits, not values),
+    on their device, with one host sync for all of them."""
+    if not pairs:
+        return True
+    if any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in pairs):
+        raise ValueError("relu_ext: _same_bits compares tensors of the same shape, dtype and device")
+    differ = [a.view(_INTS[a.element_size()]).ne(b.view(_INTS[b.element_size()])).any() for a, b in pairs]
+    return not bool(torch.stack(differ).any())
 
 
 def _cat_dim(t: Tensor) -> int:
@@ -593,8 +613,8 @@ def _source(saved: Any, unpack: Any) -> Tensor | _Shared | None:
 
 
 def _pooled(t: Tensor, unpack: Any) -> Pooled | None:
-    """`t` (a max_pool2d output, N x C x h x w, on the CPU) as a verified recipe, or None."""
-    if t.dim() != 4 or t.device.type != "cpu":
+    """`t` (a max_pool2d output, N x C x h x w) as a verified recipe, or None."""
+    if t.dim() != 4:
         return None
     fn = t.grad_fn
     x, indices = _source(fn._raw_saved_self, unpack), _source(fn._raw_saved_result1, unpack)
@@ -604,7 +624,7 @@ def _pooled(t: Tensor, unpack: Any) -> Pooled | None:
     if at.shape != t.shape or (isinstance(x, Tensor) and (x.dim() != 4 or x.dtype != t.dtype)):
         return None
     now = x.gathered(at, t.size(), t.stride()) if isinstance(x, _Shared) else _gathered(x, at, t.size(), t.stride())
-    if now.dtype != t.dtype or not _C.same_bits(now, t):
+    if now.dtype != t.dtype or not _same_bits([(now, t)]):
         return None
     return Pooled(x, indices, t)
 
