@@ -867,6 +867,82 @@ def test_an_alias_of_an_activation_output_is_kept_as_it(alias, recompute):
     assert sc.bytes_held == plain.bytes_held and sc.bytes_saved_for_backward == plain.bytes_saved_for_backward
 
 
+class _FeedForward(torch.nn.Module):
+    """A transformer's feed-forward block on (batch, tokens, features): Linear -> activation -> Linear.
+    The second Linear keeps a 2-D view of the activation output (linear folds the batch dimensions),
+    and `h.t() @ w` a transposed one: both have every element of the output."""
+
+    def __init__(self, act: Callable[[], torch.nn.Module], dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.act, self.b = torch.nn.Linear(16, 128), act(), torch.nn.Linear(128, 16)
+        self.w = torch.nn.Parameter(torch.randn(96, 8))
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.a(x))
+        return self.b(h).sum() + torch.mm(h.reshape(96, 128).t(), self.w).sum()
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["nn.ReLU", "relu_ext.ReLU", "relu_ext.ReLU6", "relu_ext.Threshold"])
+def test_a_reshaped_or_transposed_activation_output_is_kept_as_the_output(act, dtype, recompute):
+    """Views with every element of an activation output, in another shape or order, are kept as the
+    output's form (compacted here, once for all its holders), not as second full tensors; bitwise the
+    same step, and the same double backward. (Not in place: a Linear's 3-D output is itself a view,
+    and an activation in place on a view leaves no activation node on the tensor the views share.)"""
+    model, x = _FeedForward(NETS[act], dtype).train(), torch.randn(4, 24, 16, dtype=dtype)
+    sc = relu_ext.save_compact(recompute=recompute)
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert sc.compacted == 1, sc.report()
+    h_bytes = 4 * 24 * 128 * x.element_size()
+    assert sc.bytes_held < h_bytes, sc.report()  # (kept as they are, the two views were two whole h)
+
+    def second_order(ctx: Any) -> list[torch.Tensor]:
+        with ctx:
+            loss = model(x).float().square()
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        return list(torch.autograd.grad(sum(g.float().square().sum() for g in grads), list(model.parameters())))
+
+    for got, want in zip(second_order(relu_ext.save_compact(recompute=recompute)), second_order(contextlib.nullcontext())):
+        assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_a_flattened_activation_output_after_batchnorm_is_a_recipe(layout):
+    """conv -> BatchNorm -> ReLU -> Flatten -> Linear: the Linear keeps a flattened view of the ReLU
+    output, which is rebuilt from the BatchNorm's input (contiguous: a view with every element;
+    channels_last: flatten copies, so there is no view, and the copy is kept as it is)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), relu_ext.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 4)).train()
+    x = _layout(torch.randn(4, 3, 16, 16), layout)
+    if layout == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+    sc = relu_ext.save_compact()
+    assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    assert sc.replayed == (1 if layout == "contiguous" else 0), sc.report()
+
+
+def test_a_whole_view_kept_as_it_is_keeps_pytorchs_inplace_check():
+    """A 2-D view of an activation output that is kept as the view itself (too few zeros to compact)
+    keeps PyTorch's in-place check: the output changed after the forward makes backward raise."""
+    torch.manual_seed(0)
+    lin_a, lin_b = torch.nn.Linear(16, 128), torch.nn.Linear(128, 4)
+    with torch.no_grad():
+        lin_a.bias.fill_(100.0)  # (every ReLU output positive: nothing to compact)
+    x = torch.randn(4, 24, 16)
+    for ctx in (relu_ext.save_compact(), contextlib.nullcontext()):
+        with ctx:
+            h = torch.relu(lin_a(x))
+            loss = lin_b(h).sum()
+        with torch.no_grad():
+            h.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 @pytest.mark.parametrize("recompute", [True, False])
 def test_a_negated_view_is_not_an_alias(recompute):
     """torch._neg_view of an activation output has its base's bits and geometry but other values: a

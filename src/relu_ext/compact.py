@@ -873,6 +873,13 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
             base = t._base
             if base is not None and _alias(t, base):
                 t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
+            elif base is not None and _whole_view(t, base) and _why_kept(base, recompute) is None:
+                # (A Linear on a 3-D activation output keeps a 2-D view of it: kept as the output.)
+                packed = pack_tensor(base)
+                return _Dense(t) if isinstance(packed, _Dense) else _ViewOf(packed, t)
+            return pack_tensor(t)
+
+        def pack_tensor(t: Tensor) -> Any:
             why = _why_kept(t, recompute)
             recipe = _rebuildable(t) if recompute and why == "not_activation" else None
             if why == "not_activation" and _narrowable(t):
@@ -1108,6 +1115,33 @@ def _alias(t: Tensor, base: Tensor) -> bool:
     Not a negated or conjugated view (torch._neg_view, conj()): the same bits, other values."""
     return (type(t) is type(base) and t.dtype == base.dtype and t.storage_offset() == base.storage_offset() and t.shape == base.shape
             and t.stride() == base.stride() and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj())
+
+
+def _whole_view(t: Tensor, base: Tensor) -> bool:
+    """Whether view `t` has every element of its dense `base`, in another shape or order: the same
+    block of memory (offset and size), both dense. It holds the base's bits, always, and shares its
+    version counter; saved as the base's form and made again from it (_ViewOf)."""
+    return (type(t) is type(base) and t.dtype == base.dtype and t.storage_offset() == base.storage_offset()
+            and t.numel() == base.numel() and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj()
+            and _is_dense(t) and _is_dense(base))
+
+
+class _ViewOf:
+    """A saved view with all of an activation output's elements (what a Linear on a 3-D input keeps:
+    a 2-D view of it), kept as the output's form (compacted, a recipe) and viewed again on unpack."""
+
+    __slots__ = ("inner", "size", "stride", "__weakref__")
+
+    def __init__(self, inner: Any, t: Tensor) -> None:
+        self.inner, self.size, self.stride = inner, t.size(), t.stride()
+
+    def restore(self) -> Tensor:
+        base = self.inner.restore()  # (in its own layout, so the view's strides address the same elements)
+        return base.as_strided(self.size, self.stride, base.storage_offset())
+
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting): the output's form's."""
+        return self.inner.held()
 
 
 def _plain_dense(t: Tensor) -> bool:
