@@ -876,7 +876,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
             elif base is not None and _whole_view(t, base) and _why_kept(base, recompute) is None:
                 # (A Linear on a 3-D activation output keeps a 2-D view of it: kept as the output.)
                 packed = pack_tensor(base)
-                return _Dense(t) if isinstance(packed, _Dense) else _ViewOf(packed, t)
+                return _Dense(t) if isinstance(packed, _Dense) else _ViewOf(packed, t, base)
             return pack_tensor(t)
 
         def pack_tensor(t: Tensor) -> Any:
@@ -1109,34 +1109,40 @@ def _why_kept(t: Tensor, recompute: bool) -> str | None:
     return None
 
 
+def _stands_for(t: Tensor, base: Tensor) -> bool:
+    """What a view needs to stand for its base: the same type, dtype and first element, and the same
+    values for the same bits (not a negated or conjugated view, torch._neg_view or conj())."""
+    return (type(t) is type(base) and t.dtype == base.dtype and t.storage_offset() == base.storage_offset()
+            and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj())
+
+
 def _alias(t: Tensor, base: Tensor) -> bool:
     """Whether view `t` has every element of its `base` where the base has it: the same bits, always,
-    and the same version counter; saved as the base (a recipe or compaction of the base is one of it).
-    Not a negated or conjugated view (torch._neg_view, conj()): the same bits, other values."""
-    return (type(t) is type(base) and t.dtype == base.dtype and t.storage_offset() == base.storage_offset() and t.shape == base.shape
-            and t.stride() == base.stride() and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj())
+    and the same version counter; saved as the base (a recipe or compaction of the base is one of it)."""
+    return _stands_for(t, base) and t.shape == base.shape and t.stride() == base.stride()
 
 
 def _whole_view(t: Tensor, base: Tensor) -> bool:
     """Whether view `t` has every element of its dense `base`, in another shape or order: the same
     block of memory (offset and size), both dense. It holds the base's bits, always, and shares its
     version counter; saved as the base's form and made again from it (_ViewOf)."""
-    return (type(t) is type(base) and t.dtype == base.dtype and t.storage_offset() == base.storage_offset()
-            and t.numel() == base.numel() and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj()
-            and _is_dense(t) and _is_dense(base))
+    return _stands_for(t, base) and t.numel() == base.numel() and _is_dense(t) and _is_dense(base)
 
 
 class _ViewOf:
     """A saved view with all of an activation output's elements (what a Linear on a 3-D input keeps:
     a 2-D view of it), kept as the output's form (compacted, a recipe) and viewed again on unpack."""
 
-    __slots__ = ("inner", "size", "stride", "__weakref__")
+    __slots__ = ("inner", "size", "stride", "base_size", "base_stride", "__weakref__")
 
-    def __init__(self, inner: Any, t: Tensor) -> None:
+    def __init__(self, inner: Any, t: Tensor, base: Tensor) -> None:
         self.inner, self.size, self.stride = inner, t.size(), t.stride()
+        self.base_size, self.base_stride = base.size(), base.stride()
 
     def restore(self) -> Tensor:
-        base = self.inner.restore()  # (in its own layout, so the view's strides address the same elements)
+        base = self.inner.restore()
+        if base.stride() != self.base_stride:  # (restored in its own layout, always: the view's strides need it)
+            base = torch.empty_strided(self.base_size, self.base_stride, dtype=base.dtype, device=base.device).copy_(base)
         return base.as_strided(self.size, self.stride, base.storage_offset())
 
     def held(self) -> tuple[Tensor, ...]:
