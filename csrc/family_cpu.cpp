@@ -62,27 +62,6 @@ FAMILY_AVX2 inline __m256i load256(const void* p) { return _mm256_loadu_si256(st
 FAMILY_AVX2 inline void store256(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 
 template <>
-struct Lanes<kAvx2, uint16_t> {
-  FAMILY_AVX2 static uint64_t pack(const uint16_t* k) {
-    uint64_t w = 0;
-    for (int v = 0; v < 4; ++v) {
-      const __m256i l = load256(k + 16 * v);  // saturating pack keeps 0 / -1 and the lane order
-      const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1));
-      w |= uint64_t(static_cast<uint32_t>(_mm_movemask_epi8(b))) << (16 * v);
-    }
-    return w;
-  }
-  FAMILY_AVX2 static void unpack(uint64_t w, uint16_t* k) {
-    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                          static_cast<short>(0x8000));
-    for (int v = 0; v < 4; ++v) {
-      const __m256i bits = _mm256_set1_epi16(static_cast<short>(w >> (16 * v)));
-      store256(k + 16 * v, _mm256_cmpeq_epi16(_mm256_and_si256(bits, sel), sel));
-    }
-  }
-};
-
-template <>
 struct Lanes<kAvx2, uint32_t> {
   FAMILY_AVX2 static uint64_t pack(const uint32_t* k) {
     uint64_t w = 0;
@@ -118,20 +97,9 @@ struct Lanes<kAvx2, uint64_t> {
   }
 };
 
-// AVX-512: a test against itself is the lanes' mask; a zero-masked move of
-// all ones is the way back.
-template <>
-struct Lanes<kAvx512, uint16_t> {
-  FAMILY_AVX512 static uint64_t pack(const uint16_t* k) {
-    const __m512i a = _mm512_loadu_si512(k), b = _mm512_loadu_si512(k + 32);
-    return uint64_t(_mm512_test_epi16_mask(a, a)) | (uint64_t(_mm512_test_epi16_mask(b, b)) << 32);
-  }
-  FAMILY_AVX512 static void unpack(uint64_t w, uint16_t* k) {
-    _mm512_storeu_si512(k, _mm512_maskz_mov_epi16(__mmask32(w), _mm512_set1_epi16(-1)));
-    _mm512_storeu_si512(k + 32, _mm512_maskz_mov_epi16(__mmask32(w >> 32), _mm512_set1_epi16(-1)));
-  }
-};
-
+// AVX-512 (16-bit elements, whose compares are made in float): a test
+// against itself is the lanes' mask; a zero-masked move of all ones is the
+// way back.
 template <>
 struct Lanes<kAvx512, uint32_t> {
   FAMILY_AVX512 static uint64_t pack(const uint32_t* k) {
@@ -149,22 +117,6 @@ struct Lanes<kAvx512, uint32_t> {
   }
 };
 
-template <>
-struct Lanes<kAvx512, uint64_t> {
-  FAMILY_AVX512 static uint64_t pack(const uint64_t* k) {
-    uint64_t w = 0;
-    for (int v = 0; v < 8; ++v) {
-      const __m512i a = _mm512_loadu_si512(k + 8 * v);
-      w |= uint64_t(_mm512_test_epi64_mask(a, a)) << (8 * v);
-    }
-    return w;
-  }
-  FAMILY_AVX512 static void unpack(uint64_t w, uint64_t* k) {
-    for (int v = 0; v < 8; ++v) {
-      _mm512_storeu_si512(k + 8 * v, _mm512_maskz_mov_epi64(__mmask8(w >> (8 * v)), _mm512_set1_epi64(-1)));
-    }
-  }
-};
 #endif
 
 // The mask lanes' type: the unsigned integer of the opmath type's width (the
@@ -304,11 +256,17 @@ using FwdFn = void (*)(const T*, T*, uint8_t*, int64_t, int64_t, const P<Act, T>
 template <typename Act, typename T>
 using BwdFn = void (*)(const T*, const uint8_t*, T*, int64_t, int64_t, const P<Act, T>&);
 
+// The 32- and 64-bit kernels run the AVX2 code on AVX-512 CPUs too
+// (activation_kernels()); the 16-bit ones, which convert through float,
+// gain from 512 bits.
 template <typename Act, typename T, bool kMask, bool kInplace>
 FwdFn<Act, T> pick_fwd() {
 #ifdef FAMILY_X86
-  if (cpu_kernels() == kAvx512) return &fwd_avx512<Act, T, kMask, kInplace>;
-  if (cpu_kernels() == kAvx2) return &fwd_avx2<Act, T, kMask, kInplace>;
+  const Isa set = activation_kernels(sizeof(T));
+  if constexpr (sizeof(T) == 2) {
+    if (set == kAvx512) return &fwd_avx512<Act, T, kMask, kInplace>;
+  }
+  if (set == kAvx2) return &fwd_avx2<Act, T, kMask, kInplace>;
 #endif
   return &fwd_scalar<Act, T, kMask, kInplace>;
 }
@@ -322,8 +280,11 @@ FwdFn<Act, T> pick_fwd(bool mask, bool inplace) {
 template <typename Act, typename T>
 BwdFn<Act, T> pick_bwd() {
 #ifdef FAMILY_X86
-  if (cpu_kernels() == kAvx512) return &bwd_avx512<Act, T>;
-  if (cpu_kernels() == kAvx2) return &bwd_avx2<Act, T>;
+  const Isa set = activation_kernels(sizeof(T));
+  if constexpr (sizeof(T) == 2) {
+    if (set == kAvx512) return &bwd_avx512<Act, T>;
+  }
+  if (set == kAvx2) return &bwd_avx2<Act, T>;
 #endif
   return &bwd_scalar<Act, T>;
 }

@@ -200,8 +200,9 @@ RELU_AVX2 void bwd_avx2(const U* g, const uint8_t* mask, U* out, int64_t begin, 
   bwd_scalar(g, mask, out, i0, end);
 }
 
-// AVX-512: compares yield mask registers, which are the mask bits as they
-// are stored, and a zero-masked move is the select.
+// AVX-512, for the 16-bit formats (activation_kernels(): the 32- and 64-bit
+// ones run the AVX2 code): compares yield mask registers, which are the mask
+// bits as they are stored, and a zero-masked move is the select.
 template <typename U>
 struct Avx512;
 
@@ -212,24 +213,6 @@ struct Avx512<uint16_t> {
   RELU_AVX512 static uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi16_mask(a, b); }
   RELU_AVX512 static uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi16_mask(a, b); }
   RELU_AVX512 static __m512i select(uint64_t k, __m512i v) { return _mm512_maskz_mov_epi16(__mmask32(k), v); }
-};
-
-template <>
-struct Avx512<uint32_t> {
-  static constexpr int kLanes = 16;
-  RELU_AVX512 static __m512i set1(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
-  RELU_AVX512 static uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi32_mask(a, b); }
-  RELU_AVX512 static uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi32_mask(a, b); }
-  RELU_AVX512 static __m512i select(uint64_t k, __m512i v) { return _mm512_maskz_mov_epi32(__mmask16(k), v); }
-};
-
-template <>
-struct Avx512<uint64_t> {
-  static constexpr int kLanes = 8;
-  RELU_AVX512 static __m512i set1(uint64_t v) { return _mm512_set1_epi64(static_cast<long long>(v)); }
-  RELU_AVX512 static uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi64_mask(a, b); }
-  RELU_AVX512 static uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi64_mask(a, b); }
-  RELU_AVX512 static __m512i select(uint64_t k, __m512i v) { return _mm512_maskz_mov_epi64(__mmask8(k), v); }
 };
 
 template <typename U, U kInf, bool kMask>
@@ -248,48 +231,6 @@ RELU_AVX512 void fwd_avx512(const U* x, U* y, uint8_t* mask, int64_t begin, int6
       const uint64_t keep = T::gt(b, zero) | T::gt(_mm512_and_si512(b, abs), inf);
       _mm512_storeu_si512(y + i0 + v * L, T::select(keep | T::eq(b, sign), b));
       if constexpr (kMask) word |= keep << (v * L);
-    }
-    if constexpr (kMask) std::memcpy(mask + i0 / 8, &word, 8);
-  }
-  fwd_scalar<U, kInf>(x, y, kMask ? mask : nullptr, i0, end);
-}
-
-// float32 / float64 through float compares, as fwd_avx2_float (and for the
-// same reason: half the instructions of the bit tests): `!(x < 0)` (ordered)
-// selects what the output keeps, `!(x <= 0)` (unordered) is the mask.
-template <typename U>
-struct Avx512Float;
-
-template <>
-struct Avx512Float<uint32_t> {
-  static constexpr int kLanes = 16;
-  RELU_AVX512 static __m512 load(const uint32_t* p) { return _mm512_loadu_ps(p); }
-  RELU_AVX512 static uint64_t nlt0(__m512 v) { return _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLT_UQ); }
-  RELU_AVX512 static uint64_t keep(__m512 v) { return _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ); }
-  RELU_AVX512 static void store(uint32_t* p, uint64_t k, __m512 v) { _mm512_storeu_ps(p, _mm512_maskz_mov_ps(__mmask16(k), v)); }
-};
-
-template <>
-struct Avx512Float<uint64_t> {
-  static constexpr int kLanes = 8;
-  RELU_AVX512 static __m512d load(const uint64_t* p) { return _mm512_loadu_pd(p); }
-  RELU_AVX512 static uint64_t nlt0(__m512d v) { return _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_NLT_UQ); }
-  RELU_AVX512 static uint64_t keep(__m512d v) { return _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_NLE_UQ); }
-  RELU_AVX512 static void store(uint64_t* p, uint64_t k, __m512d v) { _mm512_storeu_pd(p, _mm512_maskz_mov_pd(__mmask8(k), v)); }
-};
-
-template <typename U, U kInf, bool kMask>
-RELU_AVX512 void fwd_avx512_float(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
-  if (_mm_getcsr() & kMxcsrDaz) return fwd_avx512<U, kInf, kMask>(x, y, mask, begin, end);
-  using T = Avx512Float<U>;
-  constexpr int L = T::kLanes;
-  int64_t i0 = begin;
-  for (; i0 + kBlock <= end; i0 += kBlock) {
-    uint64_t word = 0;
-    for (int v = 0; v < kBlock / L; ++v) {
-      const auto b = T::load(x + i0 + v * L);
-      T::store(y + i0 + v * L, T::nlt0(b), b);
-      if constexpr (kMask) word |= T::keep(b) << (v * L);
     }
     if constexpr (kMask) std::memcpy(mask + i0 / 8, &word, 8);
   }
@@ -360,19 +301,12 @@ using BwdFn = void (*)(const U*, const uint8_t*, U*, int64_t, int64_t);
 template <typename U, U kInf>
 FwdFn<U, kInf> pick_fwd(bool with_mask) {
 #ifdef RELU_X86
-  if (cpu_kernels() == kAvx512) {
-    if constexpr (sizeof(U) >= 4) {
-      return with_mask ? &fwd_avx512_float<U, kInf, true> : &fwd_avx512_float<U, kInf, false>;
-    } else {
-      return with_mask ? &fwd_avx512<U, kInf, true> : &fwd_avx512<U, kInf, false>;
-    }
-  }
-  if (cpu_kernels() == kAvx2) {
-    if constexpr (sizeof(U) >= 4) {
-      return with_mask ? &fwd_avx2_float<U, kInf, true> : &fwd_avx2_float<U, kInf, false>;
-    } else {
-      return with_mask ? &fwd_avx2<U, kInf, true> : &fwd_avx2<U, kInf, false>;
-    }
+  const Isa set = activation_kernels(sizeof(U));
+  if constexpr (sizeof(U) == 2) {
+    if (set == kAvx512) return with_mask ? &fwd_avx512<U, kInf, true> : &fwd_avx512<U, kInf, false>;
+    if (set == kAvx2) return with_mask ? &fwd_avx2<U, kInf, true> : &fwd_avx2<U, kInf, false>;
+  } else if (set == kAvx2) {
+    return with_mask ? &fwd_avx2_float<U, kInf, true> : &fwd_avx2_float<U, kInf, false>;
   }
 #endif
   return &fwd_scalar<U, kInf>;
@@ -381,8 +315,11 @@ FwdFn<U, kInf> pick_fwd(bool with_mask) {
 template <typename U>
 BwdFn<U> pick_bwd() {
 #ifdef RELU_X86
-  if (cpu_kernels() == kAvx512) return &bwd_avx512<U>;
-  if (cpu_kernels() == kAvx2) return &bwd_avx2<U>;
+  const Isa set = activation_kernels(sizeof(U));
+  if constexpr (sizeof(U) == 2) {
+    if (set == kAvx512) return &bwd_avx512<U>;
+  }
+  if (set == kAvx2) return &bwd_avx2<U>;
 #endif
   return &bwd_scalar<U>;
 }

@@ -109,9 +109,8 @@ REPLAY_INLINE void one(const T* __restrict x, const OpMath<T>* __restrict ar, co
 // bfloat16 to float and back a block at a time, on the bits with AVX2's
 // integer instructions (c10::BFloat16's own operations vectorize poorly:
 // 5-7x a copy's time before, 4-5x now). Exact one way; the other is
-// from_m's: round to nearest even, a NaN becomes 0x7FC0. The AVX-512 set
-// runs these 256-bit forms too (512-bit ones are not written: this machine
-// has no AVX-512 to measure them on).
+// from_m's: round to nearest even, a NaN becomes 0x7FC0. Only the AVX2 set
+// runs it (pick() below).
 struct Bf16Block {
   // Eight bfloat16 as floats.
   __attribute__((target("avx2"))) static __m256 load8(const c10::BFloat16* h) {
@@ -291,12 +290,18 @@ REPLAY_AVX512 uint64_t body_avx512(Input<T> in, Input<T> in2, T* y, int64_t inne
 
 // The kernel set in use (cpu_kernels()), where the CPU also has FMA (the vector
 // sets' targets include it); else the portable loop, whose std::fma is exact too.
+// bfloat16 takes the AVX2 code on AVX-512 CPUs too: its block is written in
+// 256-bit instructions, the compiler widens the loops between them to 512
+// bits under the AVX-512 target, and that mix ran 1.7-1.9x slower than the
+// AVX2 code (Zen 4, 2026-11-26; docs/performance.md).
 template <typename Act, typename T, bool kVerify, bool kRes>
 BodyFn<Act, T, kVerify, kRes> pick() {
 #ifdef REPLAY_X86
   static const bool fma = __builtin_cpu_supports("fma");
-  if (fma && cpu_kernels() == kAvx512) return &body_avx512<Act, T, kVerify, kRes>;
-  if (fma && cpu_kernels() == kAvx2) return &body_avx2<Act, T, kVerify, kRes>;
+  if constexpr (!std::is_same_v<T, c10::BFloat16>) {
+    if (fma && cpu_kernels() == kAvx512) return &body_avx512<Act, T, kVerify, kRes>;
+  }
+  if (fma && cpu_kernels() >= kAvx2) return &body_avx2<Act, T, kVerify, kRes>;
 #endif
   return &body_scalar<Act, T, kVerify, kRes>;
 }
