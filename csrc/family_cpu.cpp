@@ -1,6 +1,6 @@
 // CPU kernels of the family (activations.h), one template over the trait for
 // every activation and dtype. Each kernel set (portable, AVX2, AVX-512; the
-// choice of relu_cpu.cpp's cpu_kernels()) compiles the same loop under its
+// choice of relu.h's activation_kernels()) compiles the same loop under its
 // own target, where the compiler vectorizes the trait's selects and
 // arithmetic; only packing the 64 mask bits of a block to a word, and back,
 // is written with each set's instructions.
