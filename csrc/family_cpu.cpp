@@ -1,9 +1,9 @@
 // CPU kernels of the family (activations.h), one template over the trait for
 // every activation and dtype. Each kernel set (portable, AVX2, AVX-512; the
-// choice of relu.h's activation_kernels()) compiles the same loop under its
-// own target, where the compiler vectorizes the trait's selects and
-// arithmetic; only packing the 64 mask bits of a block to a word, and back,
-// is written with each set's instructions.
+// choice of cpu_kernels() and relu.h's kActivation512) compiles the same
+// loop under its own target, where the compiler vectorizes the trait's
+// selects and arithmetic; only packing the 64 mask bits of a block to a
+// word, and back, is written with each set's instructions.
 //
 // The compiler may evaluate a compare on both arms of a select only when a
 // compare cannot trap; without this, GCC keeps the loops scalar ("control
@@ -257,16 +257,16 @@ template <typename Act, typename T>
 using BwdFn = void (*)(const T*, const uint8_t*, T*, int64_t, int64_t, const P<Act, T>&);
 
 // The 32- and 64-bit kernels run the AVX2 code on AVX-512 CPUs too
-// (activation_kernels()); the 16-bit ones, which convert through float,
+// (kActivation512); the 16-bit ones, which convert through float,
 // gain from 512 bits.
 template <typename Act, typename T, bool kMask, bool kInplace>
 FwdFn<Act, T> pick_fwd() {
 #ifdef FAMILY_X86
-  const Isa set = activation_kernels(sizeof(T));
-  if constexpr (sizeof(T) == 2) {
+  const Isa set = cpu_kernels();
+  if constexpr (kActivation512<T>) {
     if (set == kAvx512) return &fwd_avx512<Act, T, kMask, kInplace>;
   }
-  if (set == kAvx2) return &fwd_avx2<Act, T, kMask, kInplace>;
+  if (set >= kAvx2) return &fwd_avx2<Act, T, kMask, kInplace>;
 #endif
   return &fwd_scalar<Act, T, kMask, kInplace>;
 }
@@ -280,11 +280,11 @@ FwdFn<Act, T> pick_fwd(bool mask, bool inplace) {
 template <typename Act, typename T>
 BwdFn<Act, T> pick_bwd() {
 #ifdef FAMILY_X86
-  const Isa set = activation_kernels(sizeof(T));
-  if constexpr (sizeof(T) == 2) {
+  const Isa set = cpu_kernels();
+  if constexpr (kActivation512<T>) {
     if (set == kAvx512) return &bwd_avx512<Act, T>;
   }
-  if (set == kAvx2) return &bwd_avx2<Act, T>;
+  if (set >= kAvx2) return &bwd_avx2<Act, T>;
 #endif
   return &bwd_scalar<Act, T>;
 }

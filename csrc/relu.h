@@ -92,18 +92,17 @@ void forward_int_cpu(const at::Tensor& x, const at::Tensor& y);
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 Isa cpu_kernels();
 const char* cpu_isa();  // the name of cpu_kernels()
-// The set that the activations' kernels (relu_cpu.cpp, family_cpu.cpp) run
-// for elements of `bytes` bytes. On an AVX-512 CPU the 32- and 64-bit ones
-// run the AVX2 code: they only move data, and their 512-bit stores measured
-// 5-25% slower at 4M-16M elements (Zen 4), where the 256-bit code runs at
-// PyTorch's speed. PyTorch itself runs the AVX2 code of its element-wise
-// kernels on AVX-512 CPUs (REGISTER_DISPATCH). The 16-bit kernels keep 512
-// bits: the family's, which convert through float, took 0.55-0.8x the
-// 256-bit code's time; ReLU's, on the bits, 0.85-1.09x.
-inline Isa activation_kernels(size_t bytes) {
-  const Isa set = cpu_kernels();
-  return set == kAvx512 && bytes >= 4 ? kAvx2 : set;
-}
+// Whether the activations' kernels (relu_cpu.cpp, family_cpu.cpp) for
+// elements of type T take the AVX-512 set's 512-bit code on an AVX-512 CPU;
+// otherwise they run the AVX2 code there. The 32- and 64-bit ones only move
+// data, and their 512-bit stores measured 5-25% slower at 4M-16M elements
+// (Zen 4), where the 256-bit code runs at PyTorch's speed; PyTorch itself
+// runs the AVX2 code of its element-wise kernels on AVX-512 CPUs
+// (REGISTER_DISPATCH). The 16-bit kernels keep 512 bits: the family's, which
+// convert through float, took 0.55-0.8x the 256-bit code's time; ReLU's, on
+// the bits, 0.85-1.09x.
+template <typename T>
+constexpr bool kActivation512 = sizeof(T) == 2;
 void set_cpu_isa(const std::string& name);
 
 // Compaction by a bitmap (compact_cpu.cpp), on dense tensors in memory order,

@@ -200,7 +200,7 @@ RELU_AVX2 void bwd_avx2(const U* g, const uint8_t* mask, U* out, int64_t begin, 
   bwd_scalar(g, mask, out, i0, end);
 }
 
-// AVX-512, for the 16-bit formats (activation_kernels(): the 32- and 64-bit
+// AVX-512, for the 16-bit formats (kActivation512: the 32- and 64-bit
 // ones run the AVX2 code): compares yield mask registers, which are the mask
 // bits as they are stored, and a zero-masked move is the select.
 template <typename U>
@@ -301,11 +301,11 @@ using BwdFn = void (*)(const U*, const uint8_t*, U*, int64_t, int64_t);
 template <typename U, U kInf>
 FwdFn<U, kInf> pick_fwd(bool with_mask) {
 #ifdef RELU_X86
-  const Isa set = activation_kernels(sizeof(U));
-  if constexpr (sizeof(U) == 2) {
+  const Isa set = cpu_kernels();
+  if constexpr (kActivation512<U>) {
     if (set == kAvx512) return with_mask ? &fwd_avx512<U, kInf, true> : &fwd_avx512<U, kInf, false>;
     if (set == kAvx2) return with_mask ? &fwd_avx2<U, kInf, true> : &fwd_avx2<U, kInf, false>;
-  } else if (set == kAvx2) {
+  } else if (set >= kAvx2) {
     return with_mask ? &fwd_avx2_float<U, kInf, true> : &fwd_avx2_float<U, kInf, false>;
   }
 #endif
@@ -315,11 +315,11 @@ FwdFn<U, kInf> pick_fwd(bool with_mask) {
 template <typename U>
 BwdFn<U> pick_bwd() {
 #ifdef RELU_X86
-  const Isa set = activation_kernels(sizeof(U));
-  if constexpr (sizeof(U) == 2) {
+  const Isa set = cpu_kernels();
+  if constexpr (kActivation512<U>) {
     if (set == kAvx512) return &bwd_avx512<U>;
   }
-  if (set == kAvx2) return &bwd_avx2<U>;
+  if (set >= kAvx2) return &bwd_avx2<U>;
 #endif
   return &bwd_scalar<U>;
 }
