@@ -47,7 +47,9 @@
 
 #include <ATen/OpMathType.h>
 #include <c10/core/Scalar.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include "relu.h"
@@ -295,6 +297,23 @@ struct Hardsigmoid {
   X(Relu)                       \
   RELU_EXT_FAMILY(X)
 
+// fn(Trait{}) for the activation named `name` (the replays take it by name).
+template <typename Fn>
+void with_act(const std::string& name, Fn&& fn) {
+#define RELU_EXT_ACT(Act) \
+  if (name == Act::kName) return fn(Act{});
+  RELU_EXT_ACTIVATIONS(RELU_EXT_ACT)
+#undef RELU_EXT_ACT
+  TORCH_CHECK(false, "relu_ext: no activation '", name, "' to replay (relu, hardtanh, leaky_relu, threshold, hardsigmoid)");
+}
+
+// A replay's float arguments as the op's Scalars.
+inline ActArgs act_args(c10::ArrayRef<double> args) {
+  ActArgs a;
+  for (size_t i = 0; i < args.size() && i < a.size(); ++i) a[i] = c10::Scalar(args[i]);
+  return a;
+}
+
 // Kernels on dense tensors in memory order (x may alias y; mask may be null:
 // no mask is written). Float dtypes only: integer tensors never reach them
 // (relu's go to forward_int_*, relu.h). ReLU's are relu_cpu.cpp's.
@@ -322,6 +341,13 @@ bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& 
                 const at::Tensor& y, bool verify);
 
 #ifdef WITH_CUDA
+// The CUDA replay (relu_cuda.cu): bn_act_cpu's contract with PyTorch's CUDA
+// transform and terms (bn_terms on CUDA: alpha = [weight; invstd], beta =
+// [mean; bias], 2 x C); with `differ` (an int32 scalar on x's device), the
+// comparison sets it to 1 where an element differs, else y is written.
+void bn_act_cuda(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& x2,
+                 const at::Tensor& alpha2, const at::Tensor& beta2, const std::string& act, c10::ArrayRef<double> args,
+                 const at::Tensor& y, const at::Tensor& differ);
 template <typename Act>
 void act_forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
 template <typename Act>

@@ -171,11 +171,18 @@ at::Tensor binary_expand(const at::Tensor& mask, const at::Tensor& value, c10::S
 
 // --- Replay (save_compact's recipes for activations after a BatchNorm) ----------
 
-void check_cpu_replay(const at::Tensor& t, const char* op, const char* arg) {
+void check_replay_device(const at::Tensor& t, const char* op, const char* arg) {
   check_compactable(t, op, arg);
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", arg, " is on ", t.device(),
-              "; the BatchNorm replay has CPU kernels only so far");
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), op, ": ", arg, " is on ", t.device(),
+              "; the BatchNorm replay has CPU and CUDA kernels only");
+#ifndef WITH_CUDA
+  if (t.device().is_cuda()) no_cuda_kernels(op);
+#endif
 }
+
+// The terms' rows: CPU (alpha, beta) = (invstd * w, b - mean * alpha), C each; CUDA alpha = [w; invstd],
+// beta = [mean; b], 2 x C (each BatchNorm computes with its own; replay_cpu.cpp, relu_cuda_kernels.cuh).
+int64_t term_rows(const at::Tensor& t) { return t.is_cuda() ? 2 : 1; }
 
 std::tuple<at::Tensor, at::Tensor> bn_terms(const std::optional<at::Tensor>& weight,
                                             const std::optional<at::Tensor>& bias, const at::Tensor& mean,
@@ -188,9 +195,20 @@ std::tuple<at::Tensor, at::Tensor> bn_terms(const std::optional<at::Tensor>& wei
     if (!t) continue;
     TORCH_CHECK(t->dim() == 1 && t->numel() == channels, op, ": ", arg, " has shape ", t->sizes(),
                 "; expected [", channels, "] (one value per channel, as mean)");
-    check_cpu_replay(*t, op, arg);
+    check_replay_device(*t, op, arg);
+    TORCH_CHECK(t->device() == mean.device(), op, ": ", arg, " is on ", t->device(), " but mean is on ",
+                mean.device());
   }
   const auto opmath = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  if (mean.is_cuda()) {
+    // PyTorch's CUDA terms: the parameters in opmath (exact), invstd = rsqrt(running_var + eps) in eval
+    // (batch_norm_calc_invstd); device ops, no host sync.
+    const auto m = [&](const at::Tensor& t) { return t.to(opmath); };
+    const at::Tensor w = weight ? m(*weight) : at::ones({channels}, mean.options().dtype(opmath));
+    const at::Tensor b = bias ? m(*bias) : at::zeros({channels}, mean.options().dtype(opmath));
+    const at::Tensor invstd = training ? m(var) : at::rsqrt(m(var) + eps);
+    return {at::stack({w, invstd}), at::stack({m(mean), b})};
+  }
   at::Tensor alpha = at::empty({channels}, mean.options().dtype(opmath));
   at::Tensor beta = at::empty({channels}, mean.options().dtype(opmath));
   bn_terms_cpu(weight, bias, mean, var, training, eps, alpha, beta);
@@ -198,16 +216,18 @@ std::tuple<at::Tensor, at::Tensor> bn_terms(const std::optional<at::Tensor>& wei
 }
 
 void check_replay(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const char* op) {
-  check_cpu_replay(x, op, "x");
+  check_replay_device(x, op, "x");
   TORCH_CHECK(x.dim() >= 2, op, ": x has shape ", x.sizes(), "; expected (N, C, ...) with channels in dimension 1");
   const auto opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   using Arg = std::pair<const at::Tensor&, const char*>;
   for (const auto& [t, arg] : {Arg{alpha, "alpha"}, Arg{beta, "beta"}}) {
-    TORCH_CHECK(t.device() == x.device() && t.scalar_type() == opmath && t.dim() == 1 && t.numel() == x.size(1) &&
+    const int64_t rows = term_rows(x);
+    const auto shape = rows == 1 ? std::vector<int64_t>{x.size(1)} : std::vector<int64_t>{rows, x.size(1)};
+    TORCH_CHECK(t.device() == x.device() && t.scalar_type() == opmath && t.sizes() == at::IntArrayRef(shape) &&
                     t.is_contiguous(),
-                op, ": ", arg, " must be a contiguous ", opmath, " tensor of shape [", x.size(1), "] on ", x.device(),
-                " (x's channels in its opmath type); got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
-                t.device());
+                op, ": ", arg, " must be a contiguous ", opmath, " tensor of shape ", at::IntArrayRef(shape), " on ",
+                x.device(), " (x's channels in its opmath type, as bn_terms makes them there); got ",
+                t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
   }
 }
 
@@ -227,11 +247,21 @@ void check_second(const at::Tensor& x, const std::optional<at::Tensor>& x2, cons
   check_replay(*x2, *alpha2, *beta2, op);
 }
 
-bool bn_act(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, c10::string_view act,
-            at::ArrayRef<double> args, const at::Tensor& y, const std::optional<at::Tensor>& x2,
-            const std::optional<at::Tensor>& alpha2, const std::optional<at::Tensor>& beta2, bool verify) {
-  return bn_act_cpu(x, alpha, beta, x2.value_or(at::Tensor()), alpha2.value_or(at::Tensor()),
-                    beta2.value_or(at::Tensor()), std::string(act), args, y, verify);
+// Rebuilds into y, or with `verify` compares with y: a bool scalar on x's device, true where equal.
+at::Tensor bn_act(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, c10::string_view act,
+                  at::ArrayRef<double> args, const at::Tensor& y, const std::optional<at::Tensor>& x2,
+                  const std::optional<at::Tensor>& alpha2, const std::optional<at::Tensor>& beta2, bool verify) {
+#ifdef WITH_CUDA
+  if (x.is_cuda()) {
+    at::Tensor differ = verify ? at::zeros({}, x.options().dtype(at::kInt)) : at::Tensor();
+    bn_act_cuda(x, alpha, beta, x2.value_or(at::Tensor()), alpha2.value_or(at::Tensor()), beta2.value_or(at::Tensor()),
+                std::string(act), args, y, differ);
+    return verify ? differ.eq(0) : at::Tensor();
+  }
+#endif
+  const bool equal = bn_act_cpu(x, alpha, beta, x2.value_or(at::Tensor()), alpha2.value_or(at::Tensor()),
+                                beta2.value_or(at::Tensor()), std::string(act), args, y, verify);
+  return verify ? at::scalar_tensor(equal, x.options().dtype(at::kBool)) : at::Tensor();
 }
 
 at::Tensor bn_act_verify(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
@@ -246,8 +276,7 @@ at::Tensor bn_act_verify(const at::Tensor& x, const at::Tensor& alpha, const at:
               op, ": y must have x's dtype, device, shape and strides; got ", y.scalar_type(), " ", y.sizes(),
               " strides ", y.strides(), " on ", y.device(), " for x's ", x.scalar_type(), " ", x.sizes(),
               " strides ", x.strides(), " on ", x.device());
-  const bool equal = bn_act(x, alpha, beta, act, args, y, x2, alpha2, beta2, /*verify=*/true);
-  return at::scalar_tensor(equal, x.options().dtype(at::kBool));
+  return bn_act(x, alpha, beta, act, args, y, x2, alpha2, beta2, /*verify=*/true);
 }
 
 at::Tensor bn_act_rebuild(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
@@ -287,11 +316,12 @@ TORCH_LIBRARY(relu_ext, m) {
   m.def("binary_mask(Tensor y) -> (Tensor mask, Tensor value, Tensor ok)");
   m.def("binary_expand(Tensor mask, Tensor value, SymInt[] size, SymInt[] stride) -> Tensor");
   // save_compact's recipes: an activation output after a BatchNorm rebuilt from
-  // the BatchNorm's input and per-channel terms, as PyTorch's CPU kernels
-  // computed it (replay_cpu.cpp): the terms, a bit-for-bit check against the
-  // real output (a bool scalar), and the rebuild. With x2: the activation of
-  // BN(x) + BN2(x2), a residual add (x2 with alpha2 = 1, beta2 = -0.0 is
-  // added as it is). Not differentiable.
+  // the BatchNorm's input and per-channel terms, as PyTorch's kernels on that
+  // device computed it (replay_cpu.cpp, relu_cuda_kernels.cuh): the terms, a
+  // bit-for-bit check against the real output (a bool scalar on x's device),
+  // and the rebuild. With x2: the activation of BN(x) + BN2(x2), a residual
+  // add (x2's terms from weight None, bias -0.0, mean 0 and invstd 1, training,
+  // add it as it is). Not differentiable.
   m.def("bn_terms(Tensor? weight, Tensor? bias, Tensor mean, Tensor var, bool training, float eps, "
         "ScalarType dtype) -> (Tensor alpha, Tensor beta)");
   m.def("bn_act_verify(Tensor x, Tensor alpha, Tensor beta, str act, float[] args, Tensor y, Tensor? x2=None, "
@@ -313,7 +343,7 @@ TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
-  // The replay and two-valued packing: CPU kernels only; a CUDA tensor gets the wrappers' device check.
+  // Two-valued packing: CPU kernels only; a CUDA tensor gets the wrappers' device check.
   m.impl("binary_mask", &binary_mask);
   m.impl("binary_expand", &binary_expand);
   m.impl("bn_terms", &bn_terms);

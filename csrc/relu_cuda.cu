@@ -257,6 +257,39 @@ void nonzero_mask_cuda(const at::Tensor& y, uint8_t* mask) {
   });
 }
 
+void bn_act_cuda(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& x2,
+                 const at::Tensor& alpha2, const at::Tensor& beta2, const std::string& act, c10::ArrayRef<double> args,
+                 const at::Tensor& y, const at::Tensor& differ) {
+  const int64_t n = x.numel(), channels = x.size(1);
+  if (n == 0) return;
+  const int64_t inner = channels == 1 ? n : x.stride(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  with_act(act, [&](auto tag) {
+    using Act = decltype(tag);
+    TORCH_CHECK(static_cast<int64_t>(args.size()) == Act::kArgs, "relu_ext: ", act, " takes ", Act::kArgs,
+                " arguments, got ", args.size());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bn_act_cuda", [&] {
+      using T = scalar_t;
+      using M = OpMath<T>;
+      const auto input = [](const at::Tensor& t, const at::Tensor& a, const at::Tensor& b) {
+        return t.defined() ? BnInput<T>{t.const_data_ptr<T>(), a.const_data_ptr<M>(), b.const_data_ptr<M>()}
+                           : BnInput<T>{nullptr, nullptr, nullptr};
+      };
+      const auto p = Act::template params<T, true>(act_args(args));
+      // The check only reads y; the kernel's pointer is non-const for the rebuild.
+      T* yp = const_cast<T*>(y.const_data_ptr<T>());
+      if (differ.defined()) {
+        launch(bn_act_kernel<Act, T, true>, n, x.get_device(), stream, input(x, alpha, beta), input(x2, alpha2, beta2),
+               inner, channels, n, p, yp, differ.data_ptr<int>());
+      } else {
+        launch(bn_act_kernel<Act, T, false>, n, x.get_device(), stream, input(x, alpha, beta),
+               input(x2, alpha2, beta2), inner, channels, n, p, yp, static_cast<int*>(nullptr));
+      }
+    });
+  });
+}
+
 int cuda_unroll() { return g_unroll.load(std::memory_order_relaxed); }
 
 void set_cuda_unroll(int64_t rows) {

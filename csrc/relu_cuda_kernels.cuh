@@ -18,8 +18,10 @@
 // set_cuda_waves in relu_cuda.cu).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "activations.h"
 #include "relu.h"
@@ -413,6 +415,98 @@ __global__ void __launch_bounds__(kThreads) nonzero_kernel(const U* __restrict__
       store_row_mask<V>(mask, row0 + k, lane, bits, n);
     }
   });
+}
+
+// --- BatchNorm replay (save_compact's recipes) --------------------------------
+// An activation output after a BatchNorm, rebuilt, or compared bit for bit
+// with the real one, from the BatchNorm's input as PyTorch's CUDA BatchNorm
+// computes its output: the contiguous and channels-last transforms
+// (ATen/native/cuda/Normalization.cuh) evaluate  w * (x - mean) * invstd + b
+// in opmath, which nvcc contracts to fma(w * (x - mean), invstd, b), then
+// round to T. Written here with explicit roundings (the _rn intrinsics, which
+// nvcc never contracts), so that the check and the rebuild compute the same
+// bits. A residual add rounds each side to T and adds in opmath (PyTorch's
+// add). cuDNN's BatchNorm computes its own way: the check tells whether this
+// formula gives its bits (see docs/save_compact.md).
+// Terms per channel c of C, in opmath: alpha = [w; invstd], beta = [mean; b]
+// (2 x C, what bn_terms gives on CUDA). An element's channel follows from its
+// memory offset o in a dense tensor: (o / inner) % C, inner = stride(1).
+template <typename M>
+RELU_HD M rn_sub(M a, M b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<M, float>) return __fsub_rn(a, b); else return __dsub_rn(a, b);
+#else
+  return a - b;  // (the emulation: built without contraction)
+#endif
+}
+template <typename M>
+RELU_HD M rn_add(M a, M b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<M, float>) return __fadd_rn(a, b); else return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+template <typename M>
+RELU_HD M rn_mul(M a, M b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<M, float>) return __fmul_rn(a, b); else return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+template <typename M>
+RELU_HD M rn_fma(M a, M b, M c) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<M, float>) return __fmaf_rn(a, b, c); else return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// A BatchNorm input and its terms (see above); x null: none (no residual add).
+template <typename T>
+struct BnInput {
+  const T* x;
+  const OpMath<T>* alpha;
+  const OpMath<T>* beta;
+};
+
+template <typename T>
+RELU_HD T bn_transform(const BnInput<T>& in, int64_t o, int64_t c, int64_t channels) {
+  using M = OpMath<T>;
+  const M w = in.alpha[c], invstd = in.alpha[channels + c], mean = in.beta[c], b = in.beta[channels + c];
+  return from_m<T>(rn_fma(rn_mul(w, rn_sub(to_m(in.x[o]), mean)), invstd, b));
+}
+
+template <typename T>
+RELU_HD bool bits_differ(T a, T b) {
+  using U = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+  U ua, ub;
+  memcpy(&ua, &a, sizeof(T));
+  memcpy(&ub, &b, sizeof(T));
+  return ua != ub;
+}
+
+// y = act(BN(x) [+ BN2(x2)]) over n elements, one per thread and step
+// (grid-stride); with kVerify, y is only read and *differ set to 1 where an
+// element differs.
+template <typename Act, typename T, bool kVerify>
+__global__ void __launch_bounds__(kThreads)
+bn_act_kernel(BnInput<T> in, BnInput<T> in2, int64_t inner, int64_t channels, int64_t n,
+              typename Act::template Params<T> p, T* y, int* differ) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t o = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; o < n; o += stride) {
+    const int64_t c = (o / inner) % channels;
+    T v = bn_transform(in, o, c, channels);
+    if (in2.x != nullptr) v = from_m<T>(rn_add(to_m(v), to_m(bn_transform(in2, o, c, channels))));
+    const T r = Act::template forward<true>(v, p);
+    if constexpr (kVerify) {
+      if (bits_differ(r, y[o])) *differ = 1;
+    } else {
+      y[o] = r;
+    }
+  }
 }
 
 }  // namespace

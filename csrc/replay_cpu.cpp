@@ -49,15 +49,6 @@ namespace {
 
 constexpr int64_t kGrain = 32768;
 
-template <typename Fn>
-void with_act(const std::string& name, Fn&& fn) {
-#define RELU_EXT_ACT(Act) \
-  if (name == Act::kName) return fn(Act{});
-  RELU_EXT_ACTIVATIONS(RELU_EXT_ACT)
-#undef RELU_EXT_ACT
-  TORCH_CHECK(false, "relu_ext: no activation '", name, "' to replay (relu, hardtanh, leaky_relu, threshold, hardsigmoid)");
-}
-
 template <typename T>
 REPLAY_INLINE auto bits_of(T v) {
   using U = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
@@ -304,12 +295,6 @@ BodyFn<Act, T, kVerify, kRes> pick() {
   if (fma && cpu_kernels() >= kAvx2) return &body_avx2<Act, T, kVerify, kRes>;
 #endif
   return &body_scalar<Act, T, kVerify, kRes>;
-}
-
-ActArgs act_args(c10::ArrayRef<double> args) {
-  ActArgs a;
-  for (size_t i = 0; i < args.size() && i < a.size(); ++i) a[i] = c10::Scalar(args[i]);
-  return a;
 }
 
 }  // namespace

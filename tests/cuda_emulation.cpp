@@ -21,6 +21,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -339,7 +340,9 @@ void check_format(const char* dtype) {
 template <typename Act, typename T>
 typename Act::template Params<T> params_of(double a, double b) {
   using M = relu_ext::OpMath<T>;
-  if constexpr (std::is_same_v<Act, relu_ext::Hardtanh>) {
+  if constexpr (std::is_same_v<Act, relu_ext::Relu>) {
+    return {};
+  } else if constexpr (std::is_same_v<Act, relu_ext::Hardtanh>) {
     return {M(a), M(b), T(float(a)), T(float(b))};
   } else if constexpr (std::is_same_v<Act, relu_ext::LeakyRelu>) {
     return {M(a)};
@@ -584,6 +587,81 @@ void check_compaction_width(const char* dtype) {
   }
 }
 
+// --- BatchNorm replay -------------------------------------------------------------
+
+// bn_act_kernel (rebuild and check, with and without a residual input) for one
+// activation and storage type, an N x C x S tensor contiguous or channels
+// last (the kernel sees only memory offsets and stride(1)), against the
+// formula written out here per (n, c, s).
+template <typename Act, typename T, typename U, U kInf>
+void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, unsigned cap, const char* name) {
+  using M = relu_ext::OpMath<T>;
+  const int64_t n = N * C * S;
+  const auto p = params_of<Act, T>(0.0, 6.0);
+  const U poison = U(0xA5A5A5A5A5A5A5A5ull);
+  const std::vector<U> xb = adversarial<U, kInf>(n), x2b = adversarial<U, kInf>(n);
+  std::vector<M> alpha(2 * C), beta(2 * C), alpha2(2 * C), beta2(2 * C);  // [w; invstd], [mean; b]
+  std::normal_distribution<double> normal;
+  for (auto* terms : {&alpha, &beta, &alpha2, &beta2}) {
+    for (auto& v : *terms) v = M(normal(rng));
+  }
+  const auto bn = [&](const std::vector<U>& xs, const std::vector<M>& a, const std::vector<M>& b, int64_t o, int64_t c) {
+    T x;
+    std::memcpy(&x, &xs[o], sizeof(T));
+    return relu_ext::from_m<T>(std::fma(a[c] * (relu_ext::to_m(x) - b[c]), a[C + c], b[C + c]));
+  };
+  for (int residual = 0; residual < 2; ++residual) {
+    std::vector<U> want(n);
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t c = 0; c < C; ++c) {
+        for (int64_t k = 0; k < S; ++k) {
+          const int64_t o = channels_last ? (i * S + k) * C + c : (i * C + c) * S + k;
+          T v = bn(xb, alpha, beta, o, c);
+          if (residual) v = relu_ext::from_m<T>(relu_ext::to_m(v) + relu_ext::to_m(bn(x2b, alpha2, beta2, o, c)));
+          want[o] = bits_of<U>(Act::template forward<true>(v, p));
+        }
+      }
+    }
+    const relu_ext::BnInput<T> in{reinterpret_cast<const T*>(xb.data()), alpha.data(), beta.data()};
+    const relu_ext::BnInput<T> in2 = residual ? relu_ext::BnInput<T>{reinterpret_cast<const T*>(x2b.data()),
+                                                                     alpha2.data(), beta2.data()}
+                                              : relu_ext::BnInput<T>{nullptr, nullptr, nullptr};
+    const int64_t inner = C == 1 ? n : channels_last ? 1 : S;
+    const unsigned grid = grid_for(n, cap);
+    Buffer<U> ys(kGuard + n + kGuard, poison);
+    T* y = reinterpret_cast<T*>(ys.data + kGuard);
+    launch(relu_ext::bn_act_kernel<Act, T, false>, grid, in, in2, inner, C, n, p, y, static_cast<int*>(nullptr));
+    for (int64_t o = 0; o < n; ++o) expect(ys.data[kGuard + o] == want[o], "replay value", name, n, o);
+    for (int64_t i = 0; i < kGuard; ++i) {
+      expect(ys.data[i] == poison && ys.data[kGuard + n + i] == poison, "replay: write outside the output", name, n, i);
+    }
+    for (int64_t flip : {int64_t(-1), int64_t(0), n / 2, n - 1}) {  // -1: the real output itself
+      std::vector<U> real = want;
+      if (flip >= 0) real[flip] ^= U(1);
+      int differ = 0;
+      launch(relu_ext::bn_act_kernel<Act, T, true>, grid, in, in2, inner, C, n, p,
+             reinterpret_cast<T*>(real.data()), &differ);
+      expect(differ == (flip >= 0 ? 1 : 0), "replay check", name, n, flip);
+      expect(real == want || flip >= 0, "replay check: wrote its input", name, n, flip);
+    }
+  }
+}
+
+template <typename T, typename U, U kInf>
+void check_bn_dtype(const char* dtype) {
+  char name[96];
+  for (unsigned cap : kCaps) {
+    for (bool cl : {false, true}) {
+      for (const auto& [N, C, S] : {std::array<int64_t, 3>{2, 3, 7}, {3, 5, 67}, {1, 1, 300}, {2, 16, 1}}) {
+        std::snprintf(name, sizeof name, "bn_act relu %s %s", dtype, cl ? "channels_last" : "contiguous");
+        check_bn<relu_ext::Relu, T, U, kInf>(N, C, S, cl, cap, name);
+        std::snprintf(name, sizeof name, "bn_act relu6 %s %s", dtype, cl ? "channels_last" : "contiguous");
+        check_bn<relu_ext::Hardtanh, T, U, kInf>(N, C, S, cl, cap, name);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -607,6 +685,10 @@ int main() {
   check_compaction_width<uint16_t, relu_ext::kInfF16>("2-byte");
   check_compaction_width<uint32_t, relu_ext::kInfF32>("4-byte");
   check_compaction_width<uint64_t, relu_ext::kInfF64>("8-byte");
+  check_bn_dtype<float, uint32_t, relu_ext::kInfF32>("float32");
+  check_bn_dtype<double, uint64_t, relu_ext::kInfF64>("float64");
+  check_bn_dtype<c10::Half, uint16_t, relu_ext::kInfF16>("float16");
+  check_bn_dtype<c10::BFloat16, uint16_t, relu_ext::kInfBF16>("bfloat16");
   std::printf("emulation: all passed (%ld checks)\n", checks);
   return 0;
 }

@@ -26,7 +26,7 @@ def _cxx() -> str:
 
 def _compile(out: Path, extra: list[str]) -> subprocess.CompletedProcess:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd = [_cxx(), "-std=c++20", "-O1", "-g0", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", *extra,
+    cmd = [_cxx(), "-std=c++20", "-O1", "-g0", "-fno-strict-aliasing", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", *extra,
            *includes, str(HARNESS), "-o", str(out)]
     return subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
 

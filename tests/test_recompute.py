@@ -177,9 +177,9 @@ def test_ops_reject_bad_input():
         (lambda: _ops.bn_terms(None, None, torch.zeros(8), torch.ones(8), True, 1e-5, torch.int32),
          "dtype Int is not a float dtype"),
     ]
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # (CUDA's terms have two rows: bn_terms makes them)
         cases.append((lambda: _ops.bn_act_rebuild(x.cuda(), a.cuda(), b.cuda(), "relu", []),
-                      "the BatchNorm replay has CPU kernels only"))
+                      "alpha must be a contiguous Float tensor of shape \\[2, 8\\]"))
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
@@ -203,6 +203,102 @@ def test_opcheck(op):
         "residual_rebuild": (x, alpha, beta, "relu", [], x, alpha, beta),
     }[op]
     torch.library.opcheck(getattr(_ops, op.replace("residual", "bn_act")).default, args)
+
+
+
+# --- on CUDA: PyTorch's CUDA BatchNorm transform ------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+
+
+def _cuda_bn_case(dtype: torch.dtype, shape: tuple[int, ...], layout: str, training: bool, seed: int = 0):
+    """_bn_case on the GPU: PyTorch's native CUDA BatchNorm (torch.native_batch_norm, never cuDNN's);
+    its saved mean and invstd (in eval, the running mean's copy and invstd it computed), and the
+    running statistics."""
+    g = torch.Generator().manual_seed(seed)
+    c = shape[1]
+    x = _layout((torch.randn(shape, generator=g) * 3 + 0.5).to(dtype), layout).cuda()
+    w, b = (torch.rand(c, generator=g) + 0.5).to(dtype).cuda(), torch.randn(c, generator=g).to(dtype).cuda()
+    rm, rv = torch.randn(c, generator=g).to(dtype).cuda(), (torch.rand(c, generator=g) + 0.1).to(dtype).cuda()
+    y, save_mean, save_invstd = torch.native_batch_norm(x, w, b, rm.clone(), rv.clone(), training, 0.1, 1e-5)
+    return x, y, w, b, (save_mean, save_invstd), (rm, rv)
+
+
+@cuda
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("shape,layout", SHAPES, ids=["x".join(map(str, s)) + f"-{l}" for s, l in SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_replay_matches_pytorch(dtype, shape, layout, training):
+    """What PyTorch's CUDA BatchNorm and each activation computed, rebuilt bit for bit from the saved
+    statistics, and in eval from the running ones too (invstd computed as PyTorch's kernel does)."""
+    x, bn, w, b, saved, running = _cuda_bn_case(dtype, shape, layout, training)
+    stats = [(*saved, True)] + ([] if training else [(*running, False)])
+    for mean, var, as_saved in stats:
+        alpha, beta = _ops.bn_terms(w, b, mean, var, as_saved, 1e-5, dtype)
+        assert alpha.shape == beta.shape == (2, shape[1]) and alpha.is_cuda
+        for name, (act, args, fn) in ACTS.items():
+            want = fn(bn)
+            assert bool(_ops.bn_act_verify(x, alpha, beta, act, args, want)), f"{name}, saved={as_saved}: missed"
+            got = _ops.bn_act_rebuild(x, alpha, beta, act, args)
+            assert got.stride() == want.stride(), name
+            assert_bitwise_equal(got, want, name)
+            other = want.clone()
+            torch.as_strided(other.view(INT_OF[dtype]), (other.numel(),), (1,))[other.numel() // 2] ^= 1
+            assert not bool(_ops.bn_act_verify(x, alpha, beta, act, args, other)), name
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_residual_replay_matches_pytorch(dtype):
+    """act(bn(x) + bn2(x2)) and act(bn(x) + r), r added as it is, on CUDA."""
+    x, bn, w, b, (mean, var), _ = _cuda_bn_case(dtype, (4, 8, 9, 7), "contiguous", True)
+    x2, bn2, w2, b2, (mean2, var2), _ = _cuda_bn_case(dtype, (4, 8, 9, 7), "contiguous", False, seed=1)
+    alpha, beta = _ops.bn_terms(w, b, mean, var, True, 1e-5, dtype)
+    opmath = alpha.dtype
+    zero, one = torch.zeros(8, dtype=opmath, device="cuda"), torch.ones(8, dtype=opmath, device="cuda")
+    same = _ops.bn_terms(None, torch.full_like(zero, -0.0), zero, one, True, 0.0, dtype)
+    r = x2.clone()
+    r.view(-1)[:6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.0, -3.0]).to(dtype)
+    for second, terms, added in [(x2, _ops.bn_terms(w2, b2, mean2, var2, True, 1e-5, dtype), bn2), (r, same, r)]:
+        for name, (act, args, fn) in ACTS.items():
+            out = bn.clone()
+            out += added
+            want = fn(out)
+            assert bool(_ops.bn_act_verify(x, alpha, beta, act, args, want, second, *terms)), f"{name}: missed"
+            assert_bitwise_equal(_ops.bn_act_rebuild(x, alpha, beta, act, args, second, *terms), want, name)
+
+
+def _bn_nodes(model: torch.nn.Module, x: torch.Tensor) -> set[str]:
+    """The names of the BatchNorm nodes a forward of `model` makes (cuDNN's or PyTorch's)."""
+    seen, names, todo = set(), set(), [model(x).grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if "BatchNorm" in fn.name():
+            names.add(fn.name())
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@cuda
+@pytest.mark.parametrize("cudnn", [False, True], ids=["native", "cudnn"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["nn.ReLU", "relu_ext.ReLU", "relu_ext.ReLU6"])
+def test_cuda_training_step_replays(act, dtype, cudnn):
+    """On CUDA the step is bitwise the same; PyTorch's own BatchNorm is replayed every time; cuDNN's
+    (float32) is tried every time and replayed where verification says its bits are the formula's."""
+    model = _net(NETS[act], dtype).train().cuda()
+    x = torch.randn(4, 3, 16, 16, dtype=dtype, device="cuda")
+    with torch.backends.cudnn.flags(enabled=cudnn):
+        nodes = _bn_nodes(model, x)
+        sc = relu_ext.save_compact()
+        assert_same_step(train_step(model, x, sc), train_step(model, x, contextlib.nullcontext()))
+    if nodes == {"NativeBatchNormBackward0"}:
+        assert sc.replayed == 3 and sc.replay_misses == 0, sc.report()
+    else:
+        assert sc.replayed + sc.replay_misses == 3, (nodes, sc.report())
 
 
 # --- inside save_compact() ------------------------------------------------------------------
@@ -450,8 +546,8 @@ def test_same_bits_on_device_compares_bits_not_values():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_concatenations_and_pools_are_kept_as_recipes_on_cuda(dtype):
-    """On CUDA too (no BatchNorm replay there yet): a dense block's concatenations kept in pieces, a
-    max-pool output gathered from its input; bitwise the same step."""
+    """On CUDA too: a dense block's concatenations kept in pieces, a max-pool output gathered from
+    its input; bitwise the same step."""
     model = _DenseBlocks(NETS["nn.ReLU"], dtype).train().cuda()
     x = torch.randn(2, 3, 32, 32, dtype=dtype, device="cuda")
     sc = relu_ext.save_compact()

@@ -20,13 +20,15 @@ and denormals come back unchanged. The work is done by the ops
 the CPU, csrc/relu_cuda_kernels.cuh on CUDA).
 
 Recompute (on by default): an activation output whose input is a BatchNorm
-output (``NativeBatchNormBackward0``, training or eval) is kept as a recipe
-instead: a reference to the BatchNorm's input, which its node keeps anyway,
-and two numbers per channel, from which it is rebuilt in backward exactly as
-PyTorch's CPU kernels computed it (``relu_ext::bn_terms`` /
-``bn_act_rebuild``, csrc/replay_cpu.cpp). It is verified bit for bit against
-the real tensor when packed (``bn_act_verify``); what misses is compacted or
-kept as it is. After a residual add (``relu(bn(c) + identity)``) the recipe
+output (``NativeBatchNormBackward0``, or cuDNN's ``CudnnBatchNormBackward0``;
+training or eval) is kept as a recipe instead: a reference to the
+BatchNorm's input, which its node keeps anyway, and a few numbers per
+channel, from which it is rebuilt in backward exactly as PyTorch's kernels on
+that device computed it (``relu_ext::bn_terms`` / ``bn_act_rebuild``:
+csrc/replay_cpu.cpp on the CPU; on CUDA, csrc/relu_cuda_kernels.cuh replays
+PyTorch's own CUDA transform, which cuDNN's output may not match). It is
+verified bit for bit against the real tensor when packed (``bn_act_verify``;
+on CUDA one host sync); what misses is compacted or kept as it is. After a residual add (``relu(bn(c) + identity)``) the recipe
 also holds the add's other input: a second BatchNorm's input and terms, or
 what this context saved of ``identity`` for another node (see ``_replayed``).
 The BatchNorm's saved tensors are read without unpacking them
@@ -62,8 +64,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from . import _C
 
 _RELU_NODES = frozenset({"ReluBackward0", "ReluExtBackward0"})
-# BatchNorm nodes whose output the CPU replay rebuilds (PyTorch's CPU kernel; cudnn's is CUDA's).
-_BN_NODES = frozenset({"NativeBatchNormBackward0"})
+# BatchNorm nodes whose output the replay rebuilds: PyTorch's kernels (CPU, CUDA), and cuDNN's,
+# which the CUDA replay matches where its verification says so.
+_BN_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
 
 
 def _family_nodes() -> dict[str, tuple[Any, bool]]:
@@ -656,7 +659,12 @@ def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tenso
         source, x = saved.data, saved.data.live()
     if not _like(x, t):
         return None  # (t is dense, so x is too)
+    # The statistics it normalized with: in training the saved mean and invstd; in eval the running
+    # ones, except where the kernel saved what it used (PyTorch's CUDA kernel: their copy and invstd).
     training = bool(bn._saved_training)
+    if not training and t.is_cuda:
+        saved = _peek(bn._raw_saved_result2, unpack)
+        training = saved is not None and saved.numel() == t.shape[1]
     names = ("result1", "result2") if training else ("running_mean", "running_var")
     mean, var = (_peek(getattr(bn, f"_raw_saved_{n}"), unpack) for n in names)
     has_weight = bn._raw_saved_weight.data is not None  # (affine=False: none)
@@ -667,9 +675,10 @@ def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tenso
     bias = getattr(bias_fn, "variable", None)  # an AccumulateGrad's parameter; else none (or frozen: verified)
     if bias_fn is not None and bias is None:
         return None  # a bias computed in the graph (FSDP's views of its flat parameter), which no node keeps
+    eps = bn._saved_eps if bn.name() == "NativeBatchNormBackward0" else bn._saved_epsilon
     alpha, beta = _ops.bn_terms(
         None if weight is None else weight.detach(), None if bias is None else bias.detach(), mean.detach(),
-        var.detach(), training, float(bn._saved_eps), t.dtype)
+        var.detach(), training, float(eps), t.dtype)
     return (x.detach() if source is x else source), alpha, beta, x.detach()
 
 
@@ -688,8 +697,11 @@ def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, 
         return None
     if not _like(now, t):
         return None
-    one = torch.ones(t.shape[1], dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-    return source, one, torch.full_like(one, -0.0), now  # x * 1 + -0.0 is x, -0.0 and NaN included
+    # Terms that add it as it is (x * 1 + -0.0 is x, -0.0 included; a NaN payload the check sees).
+    opmath = torch.float64 if t.dtype == torch.float64 else torch.float32
+    zero, one = (torch.full((t.shape[1],), v, dtype=opmath, device=t.device) for v in (0.0, 1.0))
+    alpha, beta = _ops.bn_terms(None, torch.full_like(zero, -0.0), zero, one, True, 0.0, t.dtype)
+    return source, alpha, beta, now
 
 
 def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
@@ -704,7 +716,7 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
     each would rebuild its predecessors again, or hold them all. So in a stage's blocks
     two recipes alternate with a compacted output."""
     act = _activation_of(t.grad_fn)
-    if act is None or t.device.type != "cpu" or t.dim() < 2:
+    if act is None or t.dim() < 2:
         return None, False
     prev = t.grad_fn.next_functions[0][0]
     second = None  # the add's other input: what the recipe reads, its terms, what verification reads

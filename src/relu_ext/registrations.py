@@ -56,7 +56,8 @@ def _binary_expand_fake(mask: Tensor, value: Tensor, size: list[int], stride: li
 def _bn_terms_fake(weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, training: bool, eps: float,
                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     opmath = torch.float64 if dtype == torch.float64 else torch.float32
-    return mean.new_empty(mean.shape, dtype=opmath), mean.new_empty(mean.shape, dtype=opmath)
+    shape = (2, *mean.shape) if mean.device.type == "cuda" else mean.shape  # (CUDA's terms: 2 rows; ops.cpp)
+    return mean.new_empty(shape, dtype=opmath), mean.new_empty(shape, dtype=opmath)
 
 
 @torch.library.register_fake("relu_ext::bn_act_verify")
