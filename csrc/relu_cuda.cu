@@ -279,13 +279,14 @@ void bn_act_cuda(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor&
       const auto p = Act::template params<T, true>(act_args(args));
       // The check only reads y; the kernel's pointer is non-const for the rebuild.
       T* yp = const_cast<T*>(y.const_data_ptr<T>());
-      if (differ.defined()) {
-        launch(bn_act_kernel<Act, T, true>, n, x.get_device(), stream, input(x, alpha, beta), input(x2, alpha2, beta2),
-               inner, channels, n, p, yp, differ.data_ptr<int>());
-      } else {
-        launch(bn_act_kernel<Act, T, false>, n, x.get_device(), stream, input(x, alpha, beta),
-               input(x2, alpha2, beta2), inner, channels, n, p, yp, static_cast<int*>(nullptr));
-      }
+      int* dp = differ.defined() ? differ.data_ptr<int>() : nullptr;
+      const auto go = [&](auto index) {
+        using I = decltype(index);
+        const auto kernel = dp != nullptr ? bn_act_kernel<Act, T, true, I> : bn_act_kernel<Act, T, false, I>;
+        launch(kernel, n, x.get_device(), stream, input(x, alpha, beta), input(x2, alpha2, beta2), I(inner),
+               I(channels), I(n), p, yp, dp);
+      };
+      n < (int64_t(1) << 31) ? go(uint32_t{}) : go(int64_t{});
     });
   });
 }

@@ -472,8 +472,8 @@ struct BnInput {
   const OpMath<T>* beta;
 };
 
-template <typename T>
-RELU_HD T bn_transform(const BnInput<T>& in, int64_t o, int64_t c, int64_t channels) {
+template <typename T, typename I>
+RELU_HD T bn_transform(const BnInput<T>& in, I o, I c, I channels) {
   using M = OpMath<T>;
   const M w = in.alpha[c], invstd = in.alpha[channels + c], mean = in.beta[c], b = in.beta[channels + c];
   return from_m<T>(rn_fma(rn_mul(w, rn_sub(to_m(in.x[o]), mean)), invstd, b));
@@ -490,14 +490,15 @@ RELU_HD bool bits_differ(T a, T b) {
 
 // y = act(BN(x) [+ BN2(x2)]) over n elements, one per thread and step
 // (grid-stride); with kVerify, y is only read and *differ set to 1 where an
-// element differs.
-template <typename Act, typename T, bool kVerify>
+// element differs. Offsets in I: uint32_t below 2^31 elements (its two
+// divisions per element are a fraction of 64-bit ones'), else int64_t.
+template <typename Act, typename T, bool kVerify, typename I>
 __global__ void __launch_bounds__(kThreads)
-bn_act_kernel(BnInput<T> in, BnInput<T> in2, int64_t inner, int64_t channels, int64_t n,
-              typename Act::template Params<T> p, T* y, int* differ) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t o = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; o < n; o += stride) {
-    const int64_t c = (o / inner) % channels;
+bn_act_kernel(BnInput<T> in, BnInput<T> in2, I inner, I channels, I n, typename Act::template Params<T> p, T* y,
+              int* differ) {
+  const I stride = static_cast<I>(gridDim.x) * kThreads;
+  for (I o = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x; o < n; o += stride) {
+    const I c = (o / inner) % channels;
     T v = bn_transform(in, o, c, channels);
     if (in2.x != nullptr) v = from_m<T>(rn_add(to_m(v), to_m(bn_transform(in2, o, c, channels))));
     const T r = Act::template forward<true>(v, p);

@@ -594,7 +594,7 @@ void check_compaction_width(const char* dtype) {
 // last (the kernel sees only memory offsets and stride(1)), against the
 // formula written out here per (n, c, s).
 template <typename Act, typename T, typename U, U kInf>
-void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, unsigned cap, const char* name) {
+void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, bool wide, unsigned cap, const char* name) {
   using M = relu_ext::OpMath<T>;
   const int64_t n = N * C * S;
   const auto p = params_of<Act, T>(0.0, 6.0);
@@ -630,7 +630,12 @@ void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, unsigned cap,
     const unsigned grid = grid_for(n, cap);
     Buffer<U> ys(kGuard + n + kGuard, poison);
     T* y = reinterpret_cast<T*>(ys.data + kGuard);
-    launch(relu_ext::bn_act_kernel<Act, T, false>, grid, in, in2, inner, C, n, p, y, static_cast<int*>(nullptr));
+    if (wide) {  // (the launcher's choice from 2^31 elements up)
+      launch(relu_ext::bn_act_kernel<Act, T, false, int64_t>, grid, in, in2, inner, C, n, p, y, static_cast<int*>(nullptr));
+    } else {
+      launch(relu_ext::bn_act_kernel<Act, T, false, uint32_t>, grid, in, in2, uint32_t(inner), uint32_t(C),
+             uint32_t(n), p, y, static_cast<int*>(nullptr));
+    }
     for (int64_t o = 0; o < n; ++o) expect(ys.data[kGuard + o] == want[o], "replay value", name, n, o);
     for (int64_t i = 0; i < kGuard; ++i) {
       expect(ys.data[i] == poison && ys.data[kGuard + n + i] == poison, "replay: write outside the output", name, n, i);
@@ -639,8 +644,13 @@ void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, unsigned cap,
       std::vector<U> real = want;
       if (flip >= 0) real[flip] ^= U(1);
       int differ = 0;
-      launch(relu_ext::bn_act_kernel<Act, T, true>, grid, in, in2, inner, C, n, p,
-             reinterpret_cast<T*>(real.data()), &differ);
+      T* y_real = reinterpret_cast<T*>(real.data());
+      if (wide) {
+        launch(relu_ext::bn_act_kernel<Act, T, true, int64_t>, grid, in, in2, inner, C, n, p, y_real, &differ);
+      } else {
+        launch(relu_ext::bn_act_kernel<Act, T, true, uint32_t>, grid, in, in2, uint32_t(inner), uint32_t(C),
+               uint32_t(n), p, y_real, &differ);
+      }
       expect(differ == (flip >= 0 ? 1 : 0), "replay check", name, n, flip);
       expect(real == want || flip >= 0, "replay check: wrote its input", name, n, flip);
     }
@@ -652,11 +662,15 @@ void check_bn_dtype(const char* dtype) {
   char name[96];
   for (unsigned cap : kCaps) {
     for (bool cl : {false, true}) {
-      for (const auto& [N, C, S] : {std::array<int64_t, 3>{2, 3, 7}, {3, 5, 67}, {1, 1, 300}, {2, 16, 1}}) {
-        std::snprintf(name, sizeof name, "bn_act relu %s %s", dtype, cl ? "channels_last" : "contiguous");
-        check_bn<relu_ext::Relu, T, U, kInf>(N, C, S, cl, cap, name);
-        std::snprintf(name, sizeof name, "bn_act relu6 %s %s", dtype, cl ? "channels_last" : "contiguous");
-        check_bn<relu_ext::Hardtanh, T, U, kInf>(N, C, S, cl, cap, name);
+      for (bool wide : {false, true}) {
+        const char* layout = cl ? "channels_last" : "contiguous";
+        const char* index = wide ? "int64" : "uint32";
+        for (const auto& [N, C, S] : {std::array<int64_t, 3>{2, 3, 7}, {3, 5, 67}, {1, 1, 300}, {2, 16, 1}}) {
+          std::snprintf(name, sizeof name, "bn_act relu %s %s %s", dtype, layout, index);
+          check_bn<relu_ext::Relu, T, U, kInf>(N, C, S, cl, wide, cap, name);
+          std::snprintf(name, sizeof name, "bn_act relu6 %s %s %s", dtype, layout, index);
+          check_bn<relu_ext::Hardtanh, T, U, kInf>(N, C, S, cl, wide, cap, name);
+        }
       }
     }
   }
