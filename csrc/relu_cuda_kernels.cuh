@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(kThreads) nonzero_kernel(const U* __restrict__
 // computes its output: the contiguous and channels-last transforms
 // (ATen/native/cuda/Normalization.cuh) evaluate  w * (x - mean) * invstd + b
 // in opmath, which nvcc contracts to fma(w * (x - mean), invstd, b), then
-// round to T. Written here with explicit roundings (the _rn intrinsics, which
+// round to T. Written here with explicit roundings (rn_fma, which
 // nvcc never contracts), so that the check and the rebuild compute the same
 // bits. A residual add rounds each side to T and adds in opmath (PyTorch's
 // add). cuDNN's BatchNorm computes its own way: the check tells whether this
@@ -431,36 +431,17 @@ __global__ void __launch_bounds__(kThreads) nonzero_kernel(const U* __restrict__
 // Terms per channel c of C, in opmath: alpha = [w; invstd], beta = [mean; b]
 // (2 x C, what bn_terms gives on CUDA). An element's channel follows from its
 // memory offset o in a dense tensor: (o / inner) % C, inner = stride(1).
-template <typename M>
-RELU_HD M rn_sub(M a, M b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<M, float>) return __fsub_rn(a, b); else return __dsub_rn(a, b);
-#else
-  return a - b;  // (the emulation: built without contraction)
-#endif
-}
-template <typename M>
-RELU_HD M rn_add(M a, M b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<M, float>) return __fadd_rn(a, b); else return __dadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-template <typename M>
-RELU_HD M rn_mul(M a, M b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<M, float>) return __fmul_rn(a, b); else return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
+
+// fma(a, b, c) rounded once (__fmaf_rn / __fma_rn, never contracted with
+// anything else). Each step below is one: a - m is fma(a, 1, -m), a * b is
+// fma(a, b, -0.0), a + b is fma(a, 1, b), each exactly the one rounding of
+// the plain operation, the sign of zero included.
 template <typename M>
 RELU_HD M rn_fma(M a, M b, M c) {
 #if defined(__CUDA_ARCH__)
   if constexpr (std::is_same_v<M, float>) return __fmaf_rn(a, b, c); else return __fma_rn(a, b, c);
 #else
-  return std::fma(a, b, c);
+  return std::fma(a, b, c);  // (the emulation)
 #endif
 }
 
@@ -476,7 +457,8 @@ template <typename T, typename I>
 RELU_HD T bn_transform(const BnInput<T>& in, I o, I c, I channels) {
   using M = OpMath<T>;
   const M w = in.alpha[c], invstd = in.alpha[channels + c], mean = in.beta[c], b = in.beta[channels + c];
-  return from_m<T>(rn_fma(rn_mul(w, rn_sub(to_m(in.x[o]), mean)), invstd, b));
+  const M d = rn_fma(to_m(in.x[o]), M(1), -mean);
+  return from_m<T>(rn_fma(rn_fma(w, d, M(-0.0)), invstd, b));
 }
 
 template <typename T>
@@ -500,7 +482,7 @@ bn_act_kernel(BnInput<T> in, BnInput<T> in2, I inner, I channels, I n, typename 
   for (I o = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x; o < n; o += stride) {
     const I c = (o / inner) % channels;
     T v = bn_transform(in, o, c, channels);
-    if (in2.x != nullptr) v = from_m<T>(rn_add(to_m(v), to_m(bn_transform(in2, o, c, channels))));
+    if (in2.x != nullptr) v = from_m<T>(rn_fma(to_m(v), OpMath<T>(1), to_m(bn_transform(in2, o, c, channels))));
     const T r = Act::template forward<true>(v, p);
     if constexpr (kVerify) {
       if (bits_differ(r, y[o])) *differ = 1;

@@ -592,7 +592,9 @@ void check_compaction_width(const char* dtype) {
 // bn_act_kernel (rebuild and check, with and without a residual input) for one
 // activation and storage type, an N x C x S tensor contiguous or channels
 // last (the kernel sees only memory offsets and stride(1)), against the
-// formula written out here per (n, c, s).
+// formula written out here per (n, c, s), in the kernel's fma forms: a
+// GPU's NaNs are canonical, but here a NaN's payload (of two, which one)
+// depends on the form of each operation.
 template <typename Act, typename T, typename U, U kInf>
 void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, bool wide, unsigned cap, const char* name) {
   using M = relu_ext::OpMath<T>;
@@ -608,7 +610,8 @@ void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, bool wide, un
   const auto bn = [&](const std::vector<U>& xs, const std::vector<M>& a, const std::vector<M>& b, int64_t o, int64_t c) {
     T x;
     std::memcpy(&x, &xs[o], sizeof(T));
-    return relu_ext::from_m<T>(std::fma(a[c] * (relu_ext::to_m(x) - b[c]), a[C + c], b[C + c]));
+    return relu_ext::from_m<T>(std::fma(std::fma(a[c], std::fma(relu_ext::to_m(x), M(1), -b[c]), M(-0.0)),
+                                        a[C + c], b[C + c]));
   };
   for (int residual = 0; residual < 2; ++residual) {
     std::vector<U> want(n);
@@ -617,7 +620,7 @@ void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, bool wide, un
         for (int64_t k = 0; k < S; ++k) {
           const int64_t o = channels_last ? (i * S + k) * C + c : (i * C + c) * S + k;
           T v = bn(xb, alpha, beta, o, c);
-          if (residual) v = relu_ext::from_m<T>(relu_ext::to_m(v) + relu_ext::to_m(bn(x2b, alpha2, beta2, o, c)));
+          if (residual) v = relu_ext::from_m<T>(std::fma(relu_ext::to_m(v), M(1), relu_ext::to_m(bn(x2b, alpha2, beta2, o, c))));
           want[o] = bits_of<U>(Act::template forward<true>(v, p));
         }
       }

@@ -63,12 +63,22 @@ def test_replay_matches_pytorch(dtype, shape, layout, training, cpu_isa):
     x, bn, w, b, mean, var, eps = _bn_case(dtype, shape, layout, training, affine=True)
     alpha, beta = _ops.bn_terms(w, b, mean, var, training, eps, dtype)
     assert alpha.dtype == beta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    _replays_every_activation(x, bn, alpha, beta)
+
+
+def _replays_every_activation(x: torch.Tensor, bn: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                              why: str = "") -> None:
+    """Each activation of PyTorch's BatchNorm output `bn` verified and rebuilt bit for bit from `x`
+    and the terms; one flipped bit of the real output fails the check."""
     for name, (act, args, fn) in ACTS.items():
         want = fn(bn)
-        assert bool(_ops.bn_act_verify(x, alpha, beta, act, args, want)), f"{name}: verification missed"
+        assert bool(_ops.bn_act_verify(x, alpha, beta, act, args, want)), f"{name}{why}: verification missed"
         got = _ops.bn_act_rebuild(x, alpha, beta, act, args)
         assert got.stride() == want.stride(), name
         assert_bitwise_equal(got, want, name)
+        other = want.clone()
+        torch.as_strided(other.view(INT_OF[want.dtype]), (other.numel(),), (1,))[other.numel() // 2] ^= 1
+        assert not bool(_ops.bn_act_verify(x, alpha, beta, act, args, other)), name
 
 
 @pytest.mark.parametrize("shape,layout", SHAPES, ids=[f"{s}-{l}" for s, l in SHAPES])
@@ -236,15 +246,7 @@ def test_cuda_replay_matches_pytorch(dtype, shape, layout, training):
     for mean, var, as_saved in stats:
         alpha, beta = _ops.bn_terms(w, b, mean, var, as_saved, 1e-5, dtype)
         assert alpha.shape == beta.shape == (2, shape[1]) and alpha.is_cuda
-        for name, (act, args, fn) in ACTS.items():
-            want = fn(bn)
-            assert bool(_ops.bn_act_verify(x, alpha, beta, act, args, want)), f"{name}, saved={as_saved}: missed"
-            got = _ops.bn_act_rebuild(x, alpha, beta, act, args)
-            assert got.stride() == want.stride(), name
-            assert_bitwise_equal(got, want, name)
-            other = want.clone()
-            torch.as_strided(other.view(INT_OF[dtype]), (other.numel(),), (1,))[other.numel() // 2] ^= 1
-            assert not bool(_ops.bn_act_verify(x, alpha, beta, act, args, other)), name
+        _replays_every_activation(x, bn, alpha, beta, f", saved={as_saved}")
 
 
 @cuda
