@@ -28,8 +28,9 @@ that device computed it (``relu_ext::bn_terms`` / ``bn_act_rebuild``:
 csrc/replay_cpu.cpp on the CPU; on CUDA, csrc/relu_cuda_kernels.cuh replays
 PyTorch's own CUDA transform, which cuDNN's output may not match). It is
 verified bit for bit against the real tensor when packed (``bn_act_verify``;
-on CUDA one host sync); what misses is compacted or kept as it is. After a residual add (``relu(bn(c) + identity)``) the recipe
-also holds the add's other input: a second BatchNorm's input and terms, or
+on CUDA one host sync); what misses is compacted or kept as it is. After a
+residual add (``relu(bn(c) + identity)``) the recipe also holds the add's
+other input: a second BatchNorm's input and terms, or
 what this context saved of ``identity`` for another node (see ``_replayed``).
 The BatchNorm's saved tensors are read without unpacking them
 (``SavedTensor.data``), and only when they are plain tensors or this
@@ -661,11 +662,11 @@ def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tenso
         return None  # (t is dense, so x is too)
     # The statistics it normalized with: in training the saved mean and invstd; in eval the running
     # ones, except where the kernel saved what it used (PyTorch's CUDA kernel: their copy and invstd).
-    training = bool(bn._saved_training)
-    if not training and t.is_cuda:
-        saved = _peek(bn._raw_saved_result2, unpack)
-        training = saved is not None and saved.numel() == t.shape[1]
-    names = ("result1", "result2") if training else ("running_mean", "running_var")
+    from_saved = bool(bn._saved_training)
+    if not from_saved and t.is_cuda:
+        invstd = _peek(bn._raw_saved_result2, unpack)
+        from_saved = invstd is not None and invstd.numel() == t.shape[1]
+    names = ("result1", "result2") if from_saved else ("running_mean", "running_var")
     mean, var = (_peek(getattr(bn, f"_raw_saved_{n}"), unpack) for n in names)
     has_weight = bn._raw_saved_weight.data is not None  # (affine=False: none)
     weight = _peek(bn._raw_saved_weight, unpack) if has_weight else None
@@ -678,7 +679,7 @@ def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tenso
     eps = bn._saved_eps if bn.name() == "NativeBatchNormBackward0" else bn._saved_epsilon
     alpha, beta = _ops.bn_terms(
         None if weight is None else weight.detach(), None if bias is None else bias.detach(), mean.detach(),
-        var.detach(), training, float(eps), t.dtype)
+        var.detach(), from_saved, float(eps), t.dtype)
     return (x.detach() if source is x else source), alpha, beta, x.detach()
 
 
