@@ -307,8 +307,11 @@ void with_act(const std::string& name, Fn&& fn) {
   TORCH_CHECK(false, "relu_ext: no activation '", name, "' to replay (relu, hardtanh, leaky_relu, threshold, hardsigmoid)");
 }
 
-// A replay's float arguments as the op's Scalars.
-inline ActArgs act_args(c10::ArrayRef<double> args) {
+// A replay's float arguments as activation `act`'s Scalars (its count checked).
+template <typename Act>
+ActArgs act_args(const std::string& act, c10::ArrayRef<double> args) {
+  TORCH_CHECK(static_cast<int64_t>(args.size()) == Act::kArgs, "relu_ext: ", act, " takes ", Act::kArgs,
+              " arguments, got ", args.size());
   ActArgs a;
   for (size_t i = 0; i < args.size() && i < a.size(); ++i) a[i] = c10::Scalar(args[i]);
   return a;

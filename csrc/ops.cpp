@@ -180,10 +180,6 @@ void check_replay_device(const at::Tensor& t, const char* op, const char* arg) {
 #endif
 }
 
-// The terms' rows: CPU (alpha, beta) = (invstd * w, b - mean * alpha), C each; CUDA alpha = [w; invstd],
-// beta = [mean; b], 2 x C (each BatchNorm computes with its own; replay_cpu.cpp, relu_cuda_kernels.cuh).
-int64_t term_rows(const at::Tensor& t) { return t.is_cuda() ? 2 : 1; }
-
 std::tuple<at::Tensor, at::Tensor> bn_terms(const std::optional<at::Tensor>& weight,
                                             const std::optional<at::Tensor>& bias, const at::Tensor& mean,
                                             const at::Tensor& var, bool training, double eps, at::ScalarType dtype) {
@@ -219,10 +215,11 @@ void check_replay(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor
   check_replay_device(x, op, "x");
   TORCH_CHECK(x.dim() >= 2, op, ": x has shape ", x.sizes(), "; expected (N, C, ...) with channels in dimension 1");
   const auto opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  // The terms' shape: CPU (alpha, beta) = (invstd * w, b - mean * alpha), C each; CUDA alpha = [w; invstd],
+  // beta = [mean; b], 2 x C (each BatchNorm computes with its own; replay_cpu.cpp, relu_cuda_kernels.cuh).
+  const auto shape = x.is_cuda() ? std::vector<int64_t>{2, x.size(1)} : std::vector<int64_t>{x.size(1)};
   using Arg = std::pair<const at::Tensor&, const char*>;
   for (const auto& [t, arg] : {Arg{alpha, "alpha"}, Arg{beta, "beta"}}) {
-    const int64_t rows = term_rows(x);
-    const auto shape = rows == 1 ? std::vector<int64_t>{x.size(1)} : std::vector<int64_t>{rows, x.size(1)};
     TORCH_CHECK(t.device() == x.device() && t.scalar_type() == opmath && t.sizes() == at::IntArrayRef(shape) &&
                     t.is_contiguous(),
                 op, ": ", arg, " must be a contiguous ", opmath, " tensor of shape ", at::IntArrayRef(shape), " on ",

@@ -267,8 +267,6 @@ void bn_act_cuda(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor&
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   with_act(act, [&](auto tag) {
     using Act = decltype(tag);
-    TORCH_CHECK(static_cast<int64_t>(args.size()) == Act::kArgs, "relu_ext: ", act, " takes ", Act::kArgs,
-                " arguments, got ", args.size());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bn_act_cuda", [&] {
       using T = scalar_t;
       using M = OpMath<T>;
@@ -276,7 +274,7 @@ void bn_act_cuda(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor&
         return t.defined() ? BnInput<T>{t.const_data_ptr<T>(), a.const_data_ptr<M>(), b.const_data_ptr<M>()}
                            : BnInput<T>{nullptr, nullptr, nullptr};
       };
-      const auto p = Act::template params<T, true>(act_args(args));
+      const auto p = Act::template params<T, true>(act_args<Act>(act, args));
       // The check only reads y; the kernel's pointer is non-const for the rebuild.
       T* yp = const_cast<T*>(y.const_data_ptr<T>());
       int* dp = differ.defined() ? differ.data_ptr<int>() : nullptr;

@@ -333,11 +333,9 @@ bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& 
   std::atomic<bool> differs{false};
   with_act(act, [&](auto tag) {
     using Act = decltype(tag);
-    TORCH_CHECK(static_cast<int64_t>(args.size()) == Act::kArgs, "relu_ext: ", act, " takes ", Act::kArgs,
-                " arguments, got ", args.size());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bn_act", [&] {
       using T = scalar_t;
-      const auto p = Act::template params<T>(act_args(args));
+      const auto p = Act::template params<T>(act_args<Act>(act, args));
       const auto input = [](const at::Tensor& t, const at::Tensor& a, const at::Tensor& b) {
         return t.defined() ? Input<T>{t.const_data_ptr<T>(), a.const_data_ptr<OpMath<T>>(),
                                       b.const_data_ptr<OpMath<T>>()}
