@@ -808,10 +808,10 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     Saved-tensor hooks, like :class:`torch.autograd.graph.save_on_cpu`: put it
     around the forward pass of a training step. An output of ReLU or the family
     (PyTorch's or relu_ext's) that some node saves is kept once, however many
-    nodes save it: *replayed* where its input is a BatchNorm output (CPU): a
-    reference to the BatchNorm's input, which its node keeps anyway, and two
-    numbers per channel, verified bit for bit when saved and rebuilt in
-    backward; else *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with
+    nodes save it: *replayed* where its input is a BatchNorm output (CPU or
+    CUDA): a reference to the BatchNorm's input, which its node keeps anyway,
+    and a few numbers per channel, verified bit for bit when saved and rebuilt
+    in backward; else *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with
     ``min_val=0``, Threshold with ``value=0``, Hardsigmoid): nonzero values
     plus a bitmap. A concatenation that begins with the previous one kept
     (DenseNet's) is kept as its pieces plus what it adds (*concatenated*,
@@ -837,7 +837,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         min_saving (float): compact a tensor only if that saves at least this
             fraction of its bytes. Default: ``0.1``.
         recompute (bool): keep activation outputs after a BatchNorm as
-            recipes (CPU tensors), concatenations in pieces, max-pool outputs as their
+            recipes, concatenations in pieces, max-pool outputs as their
             input at their indices. Default: ``True``.
 
     Example::
