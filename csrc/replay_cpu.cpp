@@ -146,6 +146,52 @@ struct Bf16Block {
   }
 };
 
+// The same with AVX-512 where the CPU has AVX512_BF16 (Zen 4, Sapphire Rapids):
+// its conversion rounds to nearest even in one instruction, but reads a
+// denormal as zero and keeps a NaN's payload, so sixteen floats with a
+// denormal or a NaN among them take the integer rounding above instead.
+#define REPLAY_BF16_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+struct Bf16Block512 {
+  // Sixteen bfloat16 as floats.
+  REPLAY_BF16_512 static __m512 load16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  REPLAY_BF16_512 static __m256i at(const c10::BFloat16* h) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+  }
+  // Sixteen floats rounded to bfloat16 as from_m rounds them.
+  REPLAY_BF16_512 static __m256i narrow16(__m512 f) {
+    if (__builtin_expect(_mm512_fpclass_ps_mask(f, 0xA1) == 0, 1)) {  // (no NaN, quiet or signalling, no denormal)
+      return (__m256i)_mm512_cvtneps_pbh(f);      // (16 bfloat16, as their bits)
+    }
+    const __mmask16 nan = _mm512_fpclass_ps_mask(f, 0x81);
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+  }
+  REPLAY_BF16_512 static void widen(const c10::BFloat16* h, float* f) {
+    for (int v = 0; v < kHalfBlock / 16; ++v) _mm512_storeu_ps(f + 16 * v, load16(at(h + 16 * v)));
+  }
+  REPLAY_BF16_512 static void round(float* f) {
+    for (int v = 0; v < kHalfBlock / 16; ++v) {
+      _mm512_storeu_ps(f + 16 * v, load16(narrow16(_mm512_loadu_ps(f + 16 * v))));
+    }
+  }
+  REPLAY_BF16_512 static void narrow(const float* f, c10::BFloat16* h) {
+    for (int v = 0; v < kHalfBlock / 16; ++v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + 16 * v), narrow16(_mm512_loadu_ps(f + 16 * v)));
+    }
+  }
+  REPLAY_BF16_512 static bool differs(const float* f, const c10::BFloat16* h) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int v = 0; v < kHalfBlock / 16; ++v) {
+      acc = _mm256_or_si256(acc, _mm256_xor_si256(narrow16(_mm512_loadu_ps(f + 16 * v)), at(h + 16 * v)));
+    }
+    return !_mm256_testz_si256(acc, acc);
+  }
+};
+
 // The 16-bit types in the vector sets go through float a block at a time:
 // float16 with the hardware's conversions (half_block.h), bfloat16 with the
 // block above. Each BatchNorm output is rounded to T and back (what the add
@@ -157,11 +203,13 @@ template <typename T, int I>
 constexpr bool kBlocked = I != kScalar && (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>);
 #else
 struct Bf16Block;
+struct Bf16Block512;
 template <typename T, int I>
 constexpr bool kBlocked = false;
 #endif
 template <typename T, int I>
-using BlockOf = std::conditional_t<std::is_same_v<T, c10::Half>, HalfBlock<I>, Bf16Block>;
+using BlockOf = std::conditional_t<std::is_same_v<T, c10::Half>, HalfBlock<I>,
+                                   std::conditional_t<I == kAvx512, Bf16Block512, Bf16Block>>;
 
 template <typename T, int I, bool kRow>
 REPLAY_INLINE void block_bn(const T* __restrict x, const float* __restrict ar, const float* __restrict br, float a,
@@ -277,19 +325,28 @@ REPLAY_AVX512 uint64_t body_avx512(Input<T> in, Input<T> in2, T* y, int64_t inne
                                    int64_t end, const P<Act, T>& p) {
   return body<Act, T, kAvx512, kVerify, kRes>(in, in2, y, inner, c, begin, end, p);
 }
+// bfloat16's AVX-512 set, with AVX512_BF16's conversion (Bf16Block512).
+template <typename Act, typename T, bool kVerify, bool kRes>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512dq,avx512bf16,fma"))) uint64_t body_avx512bf16(
+    Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, int64_t begin, int64_t end, const P<Act, T>& p) {
+  return body<Act, T, kAvx512, kVerify, kRes>(in, in2, y, inner, c, begin, end, p);
+}
 #endif
 
 // The kernel set in use (cpu_kernels()), where the CPU also has FMA (the vector
 // sets' targets include it); else the portable loop, whose std::fma is exact too.
-// bfloat16 takes the AVX2 code on AVX-512 CPUs too: its block is written in
-// 256-bit instructions, the compiler widens the loops between them to 512
-// bits under the AVX-512 target, and that mix ran 1.7-1.9x slower than the
-// AVX2 code (Zen 4, 2026-11-26; docs/performance.md).
+// bfloat16 takes the AVX-512 set only with AVX512_BF16 (and DQ's fpclass), else
+// the AVX2 code: its block is written in 256-bit instructions, which the
+// compiler's 512-bit loops around them ran 1.7-1.9x slower than the AVX2 code
+// (Zen 4, 2026-11-26; docs/performance.md).
 template <typename Act, typename T, bool kVerify, bool kRes>
 BodyFn<Act, T, kVerify, kRes> pick() {
 #ifdef REPLAY_X86
   static const bool fma = __builtin_cpu_supports("fma");
-  if constexpr (!std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    static const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
+    if (fma && bf16 && cpu_kernels() == kAvx512) return &body_avx512bf16<Act, T, kVerify, kRes>;
+  } else {
     if (fma && cpu_kernels() == kAvx512) return &body_avx512<Act, T, kVerify, kRes>;
   }
   if (fma && cpu_kernels() >= kAvx2) return &body_avx2<Act, T, kVerify, kRes>;
