@@ -142,8 +142,9 @@ def needed_libraries(path: str) -> "list[str] | None":
 
 
 def extension(reason: "str | None", arch: "str | None"):
-    sources = ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/install.cpp", "csrc/module.cpp", "csrc/relu_cpu.cpp",
-               "csrc/compact_cpu.cpp", "csrc/family.cpp", "csrc/family_cpu.cpp", "csrc/replay_cpu.cpp"]
+    sources = ["csrc/ops.cpp", "csrc/layout.cpp", "csrc/autograd.cpp", "csrc/install.cpp", "csrc/module.cpp",
+               "csrc/relu_cpu.cpp", "csrc/compact_cpu.cpp", "csrc/family.cpp", "csrc/family_cpu.cpp",
+               "csrc/replay_cpu.cpp"]
     # -g0: Python's default CFLAGS carry -g, which doubles compile time.
     cxx, link = ["-O3", "-g0"], []
     if SANITIZE:

@@ -26,6 +26,17 @@
 // g or 0 (the CPU's float16 backward converts only then); kInts: whether the
 // public op has its own integer kernel (relu) rather than PyTorch's.
 //
+// Layouts and what a backward reads, as PyTorch's kernels and
+// derivatives.yaml have them (layout.h): kOutputLikeInput: the forward
+// allocates empty_like(x) (hardtanh) rather than a TensorIterator output;
+// kGradLeads: the backward's TensorIterator takes grad_output first
+// (hardtanh_backward, hardsigmoid_backward) rather than self;
+// kReadsResult / kInplaceReadsResult: the backward formula of the op / of its
+// in-place form reads the output (relu: threshold_backward(grad, result, 0))
+// rather than the input (an in-place form: a clone of it). That tensor's
+// strides lay out grad_in, and a gradient taken with create_graph=True
+// depends on it (with a zero derivative).
+//
 // PyTorch's CUDA kernels differ from its CPU ones in two ops, and relu_ext's
 // CUDA kernels follow them there (kCuda): threshold compares with the
 // threshold rounded to T (threshold.to<scalar_t>()), and hardsigmoid
@@ -92,6 +103,10 @@ struct Relu {
   static constexpr int kArgs = 0;
   static constexpr bool kGradScales = false;
   static constexpr bool kInts = true;
+  static constexpr bool kOutputLikeInput = false;
+  static constexpr bool kGradLeads = false;
+  static constexpr bool kReadsResult = true;
+  static constexpr bool kInplaceReadsResult = true;
   template <typename T>
   struct Params {};
   template <typename T, bool kCuda = false>
@@ -126,6 +141,10 @@ struct Hardtanh {
   static constexpr int kArgs = 2;
   static constexpr bool kGradScales = false;
   static constexpr bool kInts = false;
+  static constexpr bool kOutputLikeInput = true;
+  static constexpr bool kGradLeads = true;
+  static constexpr bool kReadsResult = false;
+  static constexpr bool kInplaceReadsResult = false;
   template <typename T>
   struct Params {
     OpMath<T> lo, hi;
@@ -170,6 +189,10 @@ struct LeakyRelu {
   static constexpr int kArgs = 1;
   static constexpr bool kGradScales = true;
   static constexpr bool kInts = false;
+  static constexpr bool kOutputLikeInput = false;
+  static constexpr bool kGradLeads = false;
+  static constexpr bool kReadsResult = false;
+  static constexpr bool kInplaceReadsResult = true;
   template <typename T>
   struct Params {
     OpMath<T> slope;
@@ -207,6 +230,10 @@ struct Threshold {
   static constexpr int kArgs = 2;
   static constexpr bool kGradScales = false;
   static constexpr bool kInts = false;
+  static constexpr bool kOutputLikeInput = false;
+  static constexpr bool kGradLeads = false;
+  static constexpr bool kReadsResult = false;
+  static constexpr bool kInplaceReadsResult = false;
   template <typename T>
   struct Params {
     OpMath<T> threshold;
@@ -246,6 +273,10 @@ struct Hardsigmoid {
   static constexpr int kArgs = 0;
   static constexpr bool kGradScales = true;
   static constexpr bool kInts = false;
+  static constexpr bool kOutputLikeInput = false;
+  static constexpr bool kGradLeads = true;
+  static constexpr bool kReadsResult = false;
+  static constexpr bool kInplaceReadsResult = false;
   // The clamp's bounds 0 and 6, as values: given constants, GCC turns the
   // clamp and the division into compares, masked selects and a masked
   // division, which made the CPU's training forward 1.5x PyTorch's time.

@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include <array>
 #include <string>
 #include <utility>
 
@@ -138,9 +139,10 @@ struct Family<Act, std::index_sequence<I...>> {
     ints ? forward_int_cpu(x, y) : act_forward_cpu<Act>(x, y, mask, a);
   }
 
+  // y in PyTorch's layout, which walks memory in xd's order (layout.h).
   static at::Tensor forward_new(const at::Tensor& x, uint8_t* mask, const ActArgs& a) {
     const at::Tensor xd = dense(x);
-    at::Tensor y = at::empty_like(xd);
+    at::Tensor y = new_output(x, Act::kOutputLikeInput);
     run_forward(xd, y, mask, a);
     return y;
   }
@@ -263,22 +265,50 @@ struct Family<Act, std::index_sequence<I...>> {
   // --- Autograd -----------------------------------------------------------------
 
   // grad_in from the mask, through the dispatcher above autograd (so that it
-  // is differentiable again in grad).
+  // is differentiable again in grad), laid out as PyTorch's backward lays it
+  // out: TensorIterator's layout over grad and the tensor it reads (strides
+  // `self_strides`), in the op's operand order. Computed in that layout where
+  // it walks memory in the mask's order, else in the mask's and copied.
   static at::Tensor masked(const at::Tensor& grad, const at::Tensor& mask, c10::SymIntArrayRef sizes,
-                           c10::SymIntArrayRef strides, const ActArgs& a) {
-    return bwd_op().call(to_mask_layout(grad, sizes, strides), mask, a[I]...);
+                           c10::SymIntArrayRef strides, c10::SymIntArrayRef self_strides, const ActArgs& a) {
+    const at::Tensor g = grad.sym_sizes() == sizes ? grad : grad.expand_symint(sizes);  // a scalar broadcasts
+    const SymStrides want = Act::kGradLeads ? iterator_strides(sizes, {g.sym_strides(), self_strides})
+                                            : iterator_strides(sizes, {self_strides, g.sym_strides()});
+    if (same_order(sizes, want, strides)) return bwd_op().call(to_layout(grad, sizes, want), mask, a[I]...);
+    return to_layout(bwd_op().call(to_layout(grad, sizes, strides), mask, a[I]...), sizes, want);
   }
 
-  static NodePtr make_node(const at::Tensor& input, const at::Tensor& mask, c10::SymIntArrayRef sizes,
-                           std::vector<c10::SymInt> strides, const ActArgs& a) {
+  static NodePtr make_node(ag::edge_list edges, const at::Tensor& mask, c10::SymIntArrayRef sizes, SymStrides strides,
+                           SymStrides self_strides, const ActArgs& a, Reads reads) {
     NodePtr node = new_node<MaskBackward<Act>>();
     auto* fn = static_cast<MaskBackward<Act>*>(node.get());
-    fn->set_next_edges(ag::collect_next_edges(input));
+    fn->set_next_edges(std::move(edges));
     if (mask.defined()) fn->mask_ = ag::SavedVariable(mask, /*is_output=*/false);
     fn->sizes_ = sizes.vec();
     fn->strides_ = std::move(strides);
+    fn->self_strides_ = std::move(self_strides);
     fn->args_ = a;
+    fn->reads_ = reads;
     return node;
+  }
+
+  // grad_in under create_graph=True: a node of its own, differentiable in
+  // grad and (zeros) along `read`, the edge to the tensor PyTorch's backward reads.
+  static at::Tensor differentiable_masked(const at::Tensor& grad, const at::Tensor& mask, c10::SymIntArrayRef sizes,
+                                          const SymStrides& strides, const SymStrides& self_strides, const ActArgs& a,
+                                          ag::Edge read) {
+    at::Tensor out;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      out = masked(grad, mask, sizes, strides, self_strides, a);
+    }
+    if (ag::isFwGradDefined(grad)) {
+      out._set_fw_grad(masked(grad._fw_grad(0), mask, sizes, strides, self_strides, a), 0, /*is_inplace_op=*/false);
+    }
+    auto edges = ag::collect_next_edges(grad);
+    edges.push_back(std::move(read));
+    ag::set_history(out, make_node(std::move(edges), mask, sizes, strides, self_strides, a, Reads::kEdge1));
+    return out;
   }
 
   static std::tuple<at::Tensor, at::Tensor> differentiable_fwd(const at::Tensor& x, const ActArgs& a, bool grad,
@@ -289,8 +319,14 @@ struct Family<Act, std::index_sequence<I...>> {
       std::tie(y, mask) = fwd_op().call(x, a[I]...);
     }
     auto strides = mask_strides(x);
-    if (tangent) y._set_fw_grad(masked(x._fw_grad(0), mask, x.sym_sizes(), strides, a), 0, /*is_inplace_op=*/false);
-    if (grad) ag::set_history(y, make_node(x, mask, x.sym_sizes(), std::move(strides), a));
+    auto self_strides = (Act::kReadsResult ? y : x).sym_strides().vec();
+    if (tangent) {
+      y._set_fw_grad(masked(x._fw_grad(0), mask, x.sym_sizes(), strides, self_strides, a), 0, /*is_inplace_op=*/false);
+    }
+    if (grad) {
+      ag::set_history(y, make_node(ag::collect_next_edges(x), mask, x.sym_sizes(), std::move(strides),
+                                   std::move(self_strides), a, Act::kReadsResult ? Reads::kOutput : Reads::kInput));
+    }
     return {y, mask};
   }
 
@@ -298,7 +334,11 @@ struct Family<Act, std::index_sequence<I...>> {
     const bool refused = inplace_backward_refused<Act>(a);
     TORCH_CHECK(!(tangent && refused), kLeakyInplaceError);  // PyTorch's forward AD formula raises too
     auto strides = mask_strides(x);
-    NodePtr node = grad ? make_node(x, at::Tensor(), x.sym_sizes(), strides, a) : NodePtr();
+    // The in-place forms read the output (x itself), or a clone of the input laid out as empty_like(x).
+    auto self_strides = Act::kInplaceReadsResult ? x.sym_strides().vec() : strides;
+    NodePtr node = grad ? make_node(ag::collect_next_edges(x), at::Tensor(), x.sym_sizes(), strides, self_strides, a,
+                                    Act::kInplaceReadsResult ? Reads::kOutput : Reads::kInput)
+                        : NodePtr();
     at::Tensor mask;
     {
       const at::AutoDispatchBelowAutograd below;  // ADInplaceOrView still bumps the version
@@ -312,13 +352,21 @@ struct Family<Act, std::index_sequence<I...>> {
     }
     if (tangent) {
       at::Tensor t = x._fw_grad(0);
-      t.copy_(masked(t, mask, x.sym_sizes(), strides, a));
+      t.copy_(masked(t, mask, x.sym_sizes(), strides, self_strides, a));
     }
     return mask;
   }
 
-  static at::Tensor autograd(const at::Tensor& x, const ActArgs& a) {
-    if (!has_kernel_for(x) || !own_dtype(x.scalar_type())) return aten_op().call(x, a[I]...);  // PyTorch's own
+  // PyTorch's own op where relu_ext has no kernel and, for relu_ext's own op
+  // (install.cpp asks for aten's), where a selective checkpointing policy must
+  // see it (torch_kernel_wanted).
+  static bool to_aten(const at::Tensor& x, bool own_op) {
+    return !has_kernel_for(x) || !own_dtype(x.scalar_type()) ||
+           (own_op && torch_kernel_wanted(x, Act::kName, /*installed=*/false));
+  }
+
+  static at::Tensor autograd(const at::Tensor& x, const ActArgs& a, bool own_op) {
+    if (to_aten(x, own_op)) return aten_op().call(x, a[I]...);
     const bool grad = ag::compute_requires_grad(x);
     const bool tangent = ag::isFwGradDefined(x);
     if (!grad && !tangent) {
@@ -328,8 +376,8 @@ struct Family<Act, std::index_sequence<I...>> {
     return std::get<0>(differentiable_fwd(x, a, grad, tangent));
   }
 
-  static void autograd_(at::Tensor& x, const ActArgs& a) {
-    if (!has_kernel_for(x) || !own_dtype(x.scalar_type())) {
+  static void autograd_(at::Tensor& x, const ActArgs& a, bool own_op) {
+    if (to_aten(x, own_op)) {
       aten_inplace_op().call(x, a[I]...);
       return;
     }
@@ -343,8 +391,8 @@ struct Family<Act, std::index_sequence<I...>> {
     differentiable_fwd_(x, a, grad, tangent);
   }
 
-  static at::Tensor pub_autograd(const at::Tensor& x, ScalarArg<I>... s) { return autograd(x, args(s...)); }
-  static void pub_autograd_(at::Tensor& x, ScalarArg<I>... s) { autograd_(x, args(s...)); }
+  static at::Tensor pub_autograd(const at::Tensor& x, ScalarArg<I>... s) { return autograd(x, args(s...), true); }
+  static void pub_autograd_(at::Tensor& x, ScalarArg<I>... s) { autograd_(x, args(s...), true); }
 
   static std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& x, ScalarArg<I>... s) {
     check_layout_and_device(x, name("_fwd").c_str(), "x");
@@ -382,8 +430,11 @@ struct Family<Act, std::index_sequence<I...>> {
     if (!needs && !tangent) return out;
     const ActArgs a = args(s...);
     auto strides = mask_strides(grad);
-    if (tangent) out._set_fw_grad(masked(grad._fw_grad(0), mask, grad.sym_sizes(), strides, a), 0, false);
-    if (needs) ag::set_history(out, make_node(grad, mask, grad.sym_sizes(), std::move(strides), a));
+    if (tangent) out._set_fw_grad(masked(grad._fw_grad(0), mask, grad.sym_sizes(), strides, strides, a), 0, false);
+    if (needs) {
+      ag::set_history(out, make_node(ag::collect_next_edges(grad), mask, grad.sym_sizes(), strides, strides, a,
+                                     Reads::kNothing));
+    }
     return out;
   }
 
@@ -445,28 +496,44 @@ struct Family<Act, std::index_sequence<I...>> {
     }
   }
 
-  // --- compiled autograd ------------------------------------------------------------
+  // --- the node's computation -------------------------------------------------------
 
-  static variable_list apply_functional(const variable_list& grads, bool needs, const at::Tensor& mask,
-                                        const std::vector<c10::SymInt>& sizes,
-                                        const std::vector<c10::SymInt>& strides, const ActArgs& a, bool refused) {
+  // grad_in (output 0) and, for a node recorded under create_graph=True, the
+  // zeros along its second edge (output 1). With `read` (create_graph=True),
+  // grad_in is differentiable as PyTorch's is (differentiable_masked).
+  static variable_list apply_functional(const variable_list& grads, std::array<bool, 2> needs,
+                                        const at::Tensor& mask, const std::vector<c10::SymInt>& sizes,
+                                        const std::vector<c10::SymInt>& strides,
+                                        const std::vector<c10::SymInt>& self_strides, const ActArgs& a, bool refused,
+                                        Reads reads, const ag::Edge* read = nullptr) {
     TORCH_CHECK(!refused, kLeakyInplaceError);
-    variable_list out(1);
-    if (needs && grads[0].defined()) out[0] = masked(grads[0], mask, sizes, strides, a);
+    variable_list out(reads == Reads::kEdge1 ? 2 : 1);
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return out;
+    if (needs[0]) {
+      out[0] = read ? differentiable_masked(g, mask, sizes, strides, self_strides, a, *read)
+                    : masked(g, mask, sizes, strides, self_strides, a);
+    }
+    if (needs[1]) {
+      const at::NoGradGuard no_grad;
+      out[1] = at::zeros_like(g);  // PyTorch's derivative in the tensor its backward reads: zeros_like(grad)
+    }
     return out;
   }
 
   static variable_list apply_functional_ivalue(const variable_list& grads, const ag::ivalue_list& packed_args) {
     auto packed = torch::dynamo::autograd::PackedArgs(packed_args);
-    const auto needs = packed.unpack<bool>();
+    const auto needs = packed.unpack<std::array<bool, 2>>();
     const auto mask = packed.unpack<at::Tensor>();
     const auto sizes = packed.unpack<std::vector<c10::SymInt>>();
     const auto strides = packed.unpack<std::vector<c10::SymInt>>();
+    const auto self_strides = packed.unpack<std::vector<c10::SymInt>>();
     ActArgs a;
     a[0] = packed.unpack<c10::Scalar>();
     a[1] = packed.unpack<c10::Scalar>();
     const auto refused = packed.unpack<bool>();
-    return apply_functional(grads, needs, mask, sizes, strides, a, refused);
+    const auto reads = static_cast<Reads>(packed.unpack<int64_t>());
+    return apply_functional(grads, needs, mask, sizes, strides, self_strides, a, refused, reads);
   }
 };
 
@@ -475,11 +542,30 @@ struct Family<Act, std::index_sequence<I...>> {
 // --- the node ---------------------------------------------------------------------
 
 template <typename Act>
+ag::Edge MaskBackward<Act>::read_edge() {
+  switch (reads_) {
+    case Reads::kInput:
+      return next_edge(0);
+    case Reads::kOutput:
+      return ag::Edge(getptr(), 0);
+    case Reads::kEdge1:
+      return next_edge(1);
+    case Reads::kNothing:
+      break;
+  }
+  return ag::Edge();
+}
+
+template <typename Act>
 variable_list MaskBackward<Act>::apply(variable_list&& grads) {
   const std::lock_guard<std::mutex> lock(mutex_);
   const at::Tensor mask = mask_.unpack();  // raises PyTorch's error after the mask was released
-  return Family<Act>::apply_functional(grads, task_should_compute_output(0), mask, sizes_, strides_, args_,
-                                       inplace_error_);
+  const std::array<bool, 2> needs = {task_should_compute_output(0),
+                                     reads_ == Reads::kEdge1 && task_should_compute_output(1)};
+  // create_graph=True: grad_in also depends on what PyTorch's backward reads.
+  const ag::Edge read = at::GradMode::is_enabled() ? read_edge() : ag::Edge();
+  return Family<Act>::apply_functional(grads, needs, mask, sizes_, strides_, self_strides_, args_, inplace_error_,
+                                       reads_, read.is_valid() ? &read : nullptr);
 }
 
 template <typename Act>
@@ -490,19 +576,27 @@ void MaskBackward<Act>::release_variables() {
 
 template <typename Act>
 void MaskBackward<Act>::compiled_args(ag::CompiledNodeArgs& args) const {
+  // SymInts in the order apply_with_saved swaps them: self_strides_ first, then record_apply's.
+  args.collect(self_strides_);
   args.collect(mask_, /*is_output=*/false);
   args.collect(sizes_);
   args.collect(strides_);
   args.collect(args_[0]);
   args.collect(args_[1]);
   args.collect(inplace_error_);
+  args.collect(static_cast<int64_t>(reads_));
 }
 
 template <typename Act>
 variable_list MaskBackward<Act>::apply_with_saved(const variable_list& grads, ag::SwapSavedVariables& saved) {
   static bool bound = false;
-  return record_apply(*this, grads, saved, bound, &Family<Act>::apply_functional_ivalue, task_should_compute_output(0),
-                      mask_, sizes_, strides_, args_[0], args_[1], inplace_error_);
+  const std::array<bool, 2> needs = {task_should_compute_output(0),
+                                     reads_ == Reads::kEdge1 && task_should_compute_output(1)};
+  saved.before(self_strides_);
+  auto out = record_apply(*this, grads, saved, bound, &Family<Act>::apply_functional_ivalue, needs, mask_, sizes_,
+                          strides_, self_strides_, args_[0], args_[1], inplace_error_, static_cast<int64_t>(reads_));
+  saved.after(self_strides_);
+  return out;
 }
 
 template <typename Act>
@@ -517,12 +611,12 @@ void act_kernel_(at::Tensor& x, const ActArgs& a) {
 
 template <typename Act>
 at::Tensor act_autograd(const at::Tensor& x, const ActArgs& a) {
-  return Family<Act>::autograd(x, a);
+  return Family<Act>::autograd(x, a, /*own_op=*/false);
 }
 
 template <typename Act>
 void act_autograd_(at::Tensor& x, const ActArgs& a) {
-  Family<Act>::autograd_(x, a);
+  Family<Act>::autograd_(x, a, /*own_op=*/false);
 }
 
 at::Tensor act_call(const std::string& name, const at::Tensor& x, bool inplace, const ActArgs& a) {

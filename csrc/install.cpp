@@ -18,6 +18,7 @@
 // looked up when installing, so it gets exactly what torch.relu gives it.
 #include <ATen/ATen.h>
 #include <ATen/SavedTensorHooks.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 #include <torch/library.h>
@@ -55,13 +56,20 @@ bool takes(const at::Tensor& x) {
 // hook on top: under a checkpoint's forward it notes the op on the checkpoint
 // and makes its recomputation hold an installation of it; under a
 // recomputation it answers true for an op the forward did not run through
-// relu_ext, which then gets PyTorch's kernel.
-std::function<bool(const std::string&)> recompute_with_torch;
+// relu_ext, which then gets PyTorch's kernel. Under selective checkpointing
+// (a __torch_dispatch__ mode whose policy names aten ops) it answers true for
+// every call, installed or not (torch_kernel_wanted).
+std::function<bool(const std::string&, bool)> recompute_with_torch;
 
-bool keep_torch_kernel(const at::Tensor& x, const std::string& op) {
+}  // namespace
+
+bool torch_kernel_wanted(const at::Tensor& x, const std::string& op, bool installed) {
   return recompute_with_torch && x.requires_grad() && at::GradMode::is_enabled() &&
-         !at::SavedTensorDefaultHooks::get_tls_state().stack.empty() && recompute_with_torch(op);
+         !at::SavedTensorDefaultHooks::get_tls_state().stack.empty() &&
+         (installed || c10::impl::TorchDispatchModeTLS::stack_len() > 0) && recompute_with_torch(op, installed);
 }
+
+namespace {
 
 template <size_t>
 using ScalarArg = const c10::Scalar&;
@@ -114,13 +122,13 @@ std::unique_ptr<torch::Library> take_over_act(c10::DispatchKey key, bool autogra
   auto fn_ = std::make_shared<const Original>("aten::" + name + "_", key);
   auto lib = library(key);
   lib->impl(name.c_str(), [fn, autograd, name](c10::DispatchKeySet ks, const at::Tensor& x, ScalarArg<I>... s) -> at::Tensor {
-    if (!takes<Act>(x) || (autograd && keep_torch_kernel(x, name))) return fn->call(ks, x, s...);
+    if (!takes<Act>(x) || (autograd && torch_kernel_wanted(x, name, true))) return fn->call(ks, x, s...);
     ActArgs a;
     ((a[I] = s), ...);
     return autograd ? act_autograd<Act>(x, a) : act_kernel<Act>(x, a);
   });
   lib->impl((name + "_").c_str(), [fn_, autograd, name](c10::DispatchKeySet ks, at::Tensor& x, ScalarArg<I>... s) -> at::Tensor& {
-    if (!takes<Act>(x) || (autograd && keep_torch_kernel(x, name))) return fn_->call_(ks, x, s...);
+    if (!takes<Act>(x) || (autograd && torch_kernel_wanted(x, name, true))) return fn_->call_(ks, x, s...);
     ActArgs a;
     ((a[I] = s), ...);
     autograd ? act_autograd_<Act>(x, a) : act_kernel_<Act>(x, a);
@@ -159,7 +167,7 @@ std::map<std::string, Libraries> registrations;  // op -> its kernels, while ins
 
 }  // namespace
 
-void set_recompute_probe(std::function<bool(const std::string&)> probe) { recompute_with_torch = std::move(probe); }
+void set_recompute_probe(std::function<bool(const std::string&, bool)> probe) { recompute_with_torch = std::move(probe); }
 
 std::vector<std::string> install_targets() {
   std::vector<std::string> ops;

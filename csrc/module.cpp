@@ -176,6 +176,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("same_bits", &same_bits_cpu, pybind11::arg("a"), pybind11::arg("b"),
         "Whether two CPU tensors of the same sizes and dtype hold the same bits, whatever their strides.");
+  m.def(
+      "output_strides",
+      [](const std::string& name, const at::Tensor& x) {
+#define X(Act) \
+  if (name == Act::kName) return output_strides(x, Act::kOutputLikeInput);
+        RELU_EXT_ACTIVATIONS(X)
+#undef X
+        TORCH_CHECK_VALUE(false, "relu_ext: no activation '", name, "'");
+      },
+      pybind11::arg("name"), pybind11::arg("x"),
+      "The strides of relu_ext::<name>(x)'s output, PyTorch's (for the fake kernels; symbolic under tracing).");
   m.def("install_targets", &install_targets, "The aten ops install() can take over, by name.");
   m.def("install", &install, pybind11::arg("ops"),
         "Register relu_ext's kernels for these aten ops (and their in-place forms; idempotent).");
@@ -187,10 +198,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](pybind11::function probe) {
         // Kept for the life of the process: never destroyed, as there may be no GIL at exit.
         auto* held = new pybind11::function(std::move(probe));
-        set_recompute_probe([held](const std::string& op) {
+        set_recompute_probe([held](const std::string& op, bool installed) {
           const pybind11::gil_scoped_acquire gil;
           try {
-            return (*held)(op).cast<bool>();
+            return (*held)(op, installed).cast<bool>();
           } catch (pybind11::error_already_set& e) {
             e.discard_as_unraisable("relu_ext's checkpoint probe");
             return false;
@@ -198,8 +209,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         });
       },
       pybind11::arg("probe"),
-      "probe(op) -> bool: whether an installed autograd kernel, recording a node under saved-tensor "
-      "hooks, must run PyTorch's kernel for op (activation checkpointing; relu_ext.dispatch).");
+      "probe(op, installed) -> bool: whether an autograd kernel of relu_ext (installed for aten's op, or "
+      "relu_ext's own), recording a node under saved-tensor hooks, must run PyTorch's kernel for op "
+      "(activation checkpointing; relu_ext.dispatch).");
 
 #define X(Act) register_node<Act>(m);
   RELU_EXT_ACTIVATIONS(X)

@@ -17,15 +17,6 @@
 
 namespace relu_ext {
 
-std::vector<c10::SymInt> mask_strides(const at::Tensor& x) {
-  if (x.is_non_overlapping_and_dense()) return x.sym_strides().vec();
-  if (!x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-    const auto s = at::infer_dense_strides(x.sizes(), x.strides());  // what empty_like(x) uses
-    return {s.begin(), s.end()};
-  }
-  return at::empty_like(x).sym_strides().vec();  // symbolic shapes: a fake tensor, nothing allocated
-}
-
 void check_layout_and_device(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
               "; relu_ext supports strided (dense) tensors only");
@@ -52,12 +43,6 @@ void no_cuda_kernels(const std::string& op) {
   TORCH_CHECK(false, op,
               ": input is on CUDA, but this relu_ext build has CPU kernels only (torch without CUDA, no nvcc "
               "at build time, or RELU_EXT_FORCE_CPU=1); rebuild relu_ext where nvcc is available");
-}
-
-// Kernels walk memory linearly: give them `t` itself when it is dense, else a
-// dense copy laid out as empty_like(t) lays it out (mask_strides).
-at::Tensor dense(const at::Tensor& t) {
-  return t.is_non_overlapping_and_dense() ? t : at::empty_like(t).copy_(t);
 }
 
 at::Tensor new_mask(const at::Tensor& x) {

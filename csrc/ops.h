@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "activations.h"
+#include "layout.h"
 
 namespace relu_ext {
 
@@ -68,12 +69,10 @@ bool is_relu_dtype(at::ScalarType t);
 // float32/64, float16, bfloat16: the dtypes the mask-writing ops take.
 bool is_float(at::ScalarType t);
 
-// Shared by the activations' ops (family.cpp): `t` itself when it is dense,
-// else a dense copy laid out as empty_like(t); a mask for x (ceil(n / 8)
+// Shared by the activations' ops (family.cpp): a mask for x (ceil(n / 8)
 // bytes); the checks of a mask-reading backward op; and the error for a
 // CUDA tensor in a build without CUDA kernels (instead of the dispatcher's
 // generic "could not run ... with arguments from the 'CUDA' backend").
-at::Tensor dense(const at::Tensor& t);
 at::Tensor new_mask(const at::Tensor& x);
 void check_backward_mask(const at::Tensor& grad, const at::Tensor& mask, const char* op);
 [[noreturn]] void no_cuda_kernels(const std::string& op);
@@ -88,13 +87,11 @@ void uninstall(const std::vector<std::string>& ops);
 std::vector<std::string> installed();
 // The Python layer's answer to "must this call, recording a node under
 // saved-tensor hooks, run PyTorch's kernel for `op`?" (activation
-// checkpointing, see install.cpp). Called with the GIL not held.
-void set_recompute_probe(std::function<bool(const std::string&)> probe);
-
-// The dense layout an op on `x` walks, hence the order of its mask bits: x's
-// own strides when x is dense, else the ones empty_like(x) picks (the layout
-// torch.relu gives its output).
-std::vector<c10::SymInt> mask_strides(const at::Tensor& x);
+// checkpointing, see install.cpp), for an installed kernel or relu_ext's own
+// op (`installed` false: asked only under a __torch_dispatch__ mode).
+// Called with the GIL not held.
+void set_recompute_probe(std::function<bool(const std::string&, bool)> probe);
+bool torch_kernel_wanted(const at::Tensor& x, const std::string& op, bool installed);
 
 // torch 2.14 holds nodes in c10::intrusive_ptr, torch 2.11 in std::shared_ptr.
 using NodePtr = decltype(torch::autograd::Edge::function);
@@ -109,22 +106,28 @@ NodePtr new_node() {
   }
 }
 
-// `grad` laid out as a mask expects. A copy_ also broadcasts, so a node
-// called by hand with a scalar gradient works as PyTorch's nodes do.
-inline at::Tensor to_mask_layout(const at::Tensor& grad, c10::SymIntArrayRef sizes, c10::SymIntArrayRef strides) {
-  if (grad.sym_sizes() == sizes && grad.sym_strides() == strides) return grad;
-  return grad.new_empty_strided_symint(sizes, strides).copy_(grad);
-}
-
 // The backward node of the activations (family.cpp), one type per
 // activation, named by its trait's kNode (ReluExtBackward0 for relu):
-// grad_in from the mask alone and the op's Scalar arguments. Linear in grad,
-// so double backward records another one. sizes_ / strides_: the forward
-// output's shape, and the strides its mask follows: an incoming gradient laid
-// out otherwise (expanded, another memory format) is copied into this layout
-// first.
-// `inplace_error`: the in-place op's backward PyTorch refuses (leaky_relu_
-// with a negative slope), raised when the node runs, as PyTorch raises it.
+// grad_in from the mask alone and the op's Scalar arguments.
+//   sizes_ / strides_: the forward output's shape, and the strides its mask
+//     follows (an incoming gradient in another order is copied into it);
+//   self_strides_: those of the tensor PyTorch's backward reads (the input,
+//     or relu's output), which with the incoming gradient's give grad_in
+//     PyTorch's layout (layout.h);
+//   inplace_error_: the in-place op's backward PyTorch refuses (leaky_relu_
+//     with a negative slope), raised when the node runs, as PyTorch raises it.
+// Under create_graph=True, grad_in records another such node, differentiable
+// in the incoming gradient and, with a zero derivative, in the tensor
+// PyTorch's backward reads, as PyTorch's gradient is; reads_ says which
+// tensor that is.
+enum class Reads : uint8_t {
+  kNothing,  // none: a node of relu_ext's own backward op, which has no PyTorch twin
+  kInput,    // the forward's input (next edge 0)
+  kOutput,   // the forward's output (this node's output 0)
+  kEdge1,    // a node recorded under create_graph=True: the one behind its
+             // second edge, which gets zeros
+};
+
 template <typename Act>
 struct MaskBackward : public torch::autograd::TraceableFunction {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
@@ -137,8 +140,13 @@ struct MaskBackward : public torch::autograd::TraceableFunction {
   torch::autograd::SavedVariable mask_;
   std::vector<c10::SymInt> sizes_;
   std::vector<c10::SymInt> strides_;
+  std::vector<c10::SymInt> self_strides_;
   ActArgs args_;
   bool inplace_error_ = false;
+  Reads reads_ = Reads::kNothing;
+
+  // The edge to the tensor PyTorch's backward reads (none for kNothing).
+  torch::autograd::Edge read_edge();
 };
 
 // The activations' public kernels, for install.cpp: forward (CPU / CUDA keys)

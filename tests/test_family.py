@@ -396,10 +396,11 @@ def test_torch_func_matches_pytorch(case, transform):
             assert "derivative for aten::hardsigmoid_backward is not implemented" in str(e)
             continue
         got = TRANSFORMS[transform](_fn(case, "relu_ext", inplace), x)
-        if transform == "grad_of_grad":
-            # PyTorch's double backward adds a zero gradient for the input
-            # (e.g. leaky_relu_backward's `self: zeros_like(grad)`), which turns
-            # a -0.0 into +0.0; relu_ext's mask has no such term. Values agree.
+        if transform == "grad_of_grad" and case == "leaky_zero_slope":
+            # Nested torch.func levels: the outer level records relu_ext's backward op alone, without
+            # the zero derivative in the input that PyTorch's formula adds (zeros_like(grad)), so a
+            # -0.0 (g * 0) stays where PyTorch's sum gives +0.0. Plain autograd has that term
+            # (test_layouts.py); values agree.
             got, want = got + 0.0, want + 0.0
         _same(got, want, transform)
 

@@ -46,6 +46,10 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
     """Whether two CPU tensors of the same sizes and dtype hold the same bits, whatever their
     strides (save_compact's check of a concatenation's pieces). RuntimeError otherwise."""
 
+def output_strides(name: str, x: Tensor) -> list[int]:
+    """The strides of relu_ext::<name>(x)'s output: PyTorch's for its op (the
+    fake kernels lay out their outputs so; symbolic while tracing)."""
+
 def install_targets() -> list[str]:
     """The aten ops install() can take over, by name: 'relu' and the family's."""
 
@@ -59,9 +63,10 @@ def uninstall(ops: list[str]) -> None:
 def installed() -> list[str]:
     """The aten ops relu_ext's kernels run now."""
 
-def set_recompute_probe(probe: Callable[[str], bool]) -> None:
-    """probe(op): whether an installed autograd kernel, recording a node under
-    saved-tensor hooks, must run PyTorch's kernel for op (activation checkpointing)."""
+def set_recompute_probe(probe: Callable[[str, bool], bool]) -> None:
+    """probe(op, installed): whether an autograd kernel of relu_ext (installed for
+    aten's op, or relu_ext's own), recording a node under saved-tensor hooks,
+    must run PyTorch's kernel for op (activation checkpointing, selective too)."""
 
 class ReluExtBackward0:
     """The backward node's Python type (``y.grad_fn`` of a relu_ext output)."""

@@ -37,6 +37,8 @@ from types import TracebackType
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.utils.checkpoint as _checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import _C
 
@@ -231,15 +233,35 @@ def _checkpoint_of(pack_hook: Callable[..., Any]) -> tuple[str, Any] | None:
     return None
 
 
-def _probe(op: str) -> bool:
-    """Asked by an installed autograd kernel that records a node under
+# The __torch_dispatch__ modes of torch.utils.checkpoint's selective
+# checkpointing, whose policy sees the ops they run (named so in torch 2.11 to 2.14).
+_SELECTIVE_MODES = tuple(
+    c for c in (getattr(_checkpoint, n, None) for n in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"))
+    if isinstance(c, type)
+)
+
+
+def _selective_checkpointing() -> bool:
+    """Whether selective checkpointing runs now (one of its modes is on the stack)."""
+    return any(isinstance(m, _SELECTIVE_MODES) for m in _get_current_dispatch_mode_stack())
+
+
+def _probe(op: str, installed: bool) -> bool:
+    """Asked by an autograd kernel of relu_ext that records a node under
     saved-tensor hooks: True when it must run PyTorch's kernel for ``op``.
 
-    Under a checkpoint's forward, notes ``op`` on the checkpoint and makes
-    its recomputation hold an installation of the ops noted (False). Under
-    its recomputation, True for an op its forward did not note.
+    Under selective checkpointing, True: a policy names aten ops
+    (``aten.relu.default``), and must decide for this call as it decides for
+    PyTorch's. Otherwise, for an installed kernel (``installed``), under a
+    checkpoint's forward, notes ``op`` on the checkpoint and makes its
+    recomputation hold an installation of the ops noted (False); under its
+    recomputation, True for an op its forward did not note.
     """
     try:
+        if _selective_checkpointing():
+            return True
+        if not installed:
+            return False
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         found = None if hooks is None else _checkpoint_of(hooks[0])
         if found is None or found[1] is None:

@@ -98,10 +98,13 @@ def _register_activation(name: str) -> None:
     fwd, fwd_, bwd = getattr(_ops, f"{name}_fwd"), getattr(_ops, f"{name}_fwd_"), getattr(_ops, f"{name}_bwd")
     public, public_ = getattr(_ops, name), getattr(_ops, f"{name}_")
 
-    torch.library.register_fake(op)(lambda x, *args: torch.empty_like(x))
+    def output(x: Tensor) -> Tensor:  # in the layout the C++ kernel gives it (PyTorch's)
+        return x.new_empty_strided(x.shape, _C.output_strides(name, x))
+
+    torch.library.register_fake(op)(lambda x, *args: output(x))
     torch.library.register_fake(f"{op}_")(lambda x, *args: None)
     torch.library.register_fake(f"{op}_fwd")(
-        lambda x, *args: (torch.empty_like(x), x.new_empty((_mask_numel(x),), dtype=torch.uint8))
+        lambda x, *args: (output(x), x.new_empty((_mask_numel(x),), dtype=torch.uint8))
     )
     torch.library.register_fake(f"{op}_fwd_")(lambda x, *args: x.new_empty((_mask_numel(x),), dtype=torch.uint8))
 
