@@ -232,17 +232,17 @@ def test_convert_and_revert():
     assert type(relu_ext.convert(torch.nn.ReLU())) is relu_ext.ReLU
 
 
-def test_revert_lets_quantization_fusion_see_the_relu():
-    """Tools that match nn.ReLU by type (fuse_modules) work after revert."""
+def test_quantization_fusion_takes_converted_and_reverted_models():
+    """fuse_modules matches nn.ReLU by type: a converted model's relu_ext.ReLU is registered with it
+    (relu_ext.quantization), and the fused module holds PyTorch's own ReLU either way."""
     from torch.ao.quantization import fuse_modules
 
-    model = relu_ext.convert(
-        torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
-    )
-    with pytest.raises(AssertionError, match="did not find fuser method"):
-        fuse_modules(model, [["0", "1", "2"]])
-    fused = fuse_modules(relu_ext.revert(model), [["0", "1", "2"]])
-    assert type(fused[0]).__name__ == "ConvReLU2d"
+    for before in (lambda m: m, relu_ext.revert):
+        model = relu_ext.convert(
+            torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+        )
+        fused = fuse_modules(before(model), [["0", "1", "2"]])
+        assert type(fused[0]).__name__ == "ConvReLU2d" and type(fused[0][1]) is torch.nn.ReLU
 
 
 def test_functional_signature_like_F_relu():

@@ -36,6 +36,10 @@ from .activations import (  # noqa: E402
 from .dispatch import targets as install_targets  # noqa: E402
 from .export import aten_decompositions  # noqa: E402
 from .ops import ReLU, convert, relu, revert  # noqa: E402
+from .ops import _pairs as _module_pairs  # noqa: E402
+from . import quantization as _quantization  # noqa: E402
+
+_quantization.register(_module_pairs())  # eager-mode quantization's tables learn relu_ext's modules
 
 __all__ = [
     "ReLU", "relu", "ReLU6", "relu6", "Hardtanh", "hardtanh", "LeakyReLU", "leaky_relu", "Threshold", "threshold",

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loads the native library: the ops must exist first)
+from .quantization import refuse_fx_tracing
 
 _ops = torch.ops.relu_ext
 # Module-level names for what each call uses (see ops.py's relu): TorchScript
@@ -42,6 +43,7 @@ def _eager(name: str, input: Tensor, inplace: Any, a0: float = 0.0, a1: float = 
     Dynamo, a tensor subclass, a ``__torch_function__`` mode or an FX proxy
     must see the op called from Python."""
     if _is_dynamo_compiling() or _has_torch_function_unary(input):
+        refuse_fx_tracing(input, name)
         return None
     if type(a0) not in _NUMBERS or type(a1) not in _NUMBERS:
         a0, a1 = _number(a0), _number(a1)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from . import _C, registrations  # noqa: F401  (registrations: fake kernels and vmap rules)
 from .activations import TorchScriptNote
+from .quantization import refuse_fx_tracing
 
 _ops = torch.ops.relu_ext
 # Module-level names for what relu() calls each time: attribute lookups cost
@@ -65,6 +66,7 @@ def relu(input: Tensor, inplace: bool = False) -> Tensor:
                 # pybind11 takes a bool, None or a number, not e.g. a string.
                 inplace = bool(inplace)
             return _eager_relu(input, inplace)
+        refuse_fx_tracing(input, "relu")
     if inplace:
         _ops.relu_(input)
         return input
