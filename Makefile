@@ -8,14 +8,15 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.14.1
 # Real models for the tests and the benchmark (built from configs, random weights):
-# torchvision pairs with torch's version, transformers is pinned for repeatable runs.
+# torchvision pairs with torch's version, transformers and timm are pinned for repeatable runs.
 TORCHVISION_VERSION ?= 0.29.1
 TRANSFORMERS_VERSION ?= 5.18.0
+TIMM_VERSION ?= 1.0.31
 PY := $(VENV)/bin/python
 # A non-wrapper nvcc for torch's build (setup.py also defaults this).
 export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 
-DEPS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) transformers==$(TRANSFORMERS_VERSION) \
+DEPS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) transformers==$(TRANSFORMERS_VERSION) timm==$(TIMM_VERSION) \
 	ninja numpy pytest hypothesis expecttest matplotlib onnx onnxruntime onnxscript
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
