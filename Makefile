@@ -6,10 +6,10 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-TORCH_VERSION ?= 2.14.1
+TORCH_VERSION ?= 2.15.0
 # Real models for the tests and the benchmark (built from configs, random weights):
 # torchvision pairs with torch's version, transformers and timm are pinned for repeatable runs.
-TORCHVISION_VERSION ?= 0.29.1
+TORCHVISION_VERSION ?= 0.29.2
 TRANSFORMERS_VERSION ?= 5.18.0
 TIMM_VERSION ?= 1.0.31
 PY := $(VENV)/bin/python

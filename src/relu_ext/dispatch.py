@@ -220,7 +220,7 @@ def _checkpoint_of(pack_hook: Callable[..., Any]) -> tuple[str, Any] | None:
     ``torch.utils.checkpoint``'s non-reentrant checkpoint, None for any other.
 
     The frame is found in the hook's closure (``frame`` in the forward's hook,
-    ``target_frame_ref`` in the recomputation's), as torch 2.11 to 2.14 write them.
+    ``target_frame_ref`` in the recomputation's), as torch 2.11 to 2.15 write them.
     """
     fn = inspect.unwrap(pack_hook)
     if getattr(fn, "__module__", None) != "torch.utils.checkpoint" or not fn.__closure__:
@@ -234,7 +234,7 @@ def _checkpoint_of(pack_hook: Callable[..., Any]) -> tuple[str, Any] | None:
 
 
 # The __torch_dispatch__ modes of torch.utils.checkpoint's selective
-# checkpointing, whose policy sees the ops they run (named so in torch 2.11 to 2.14).
+# checkpointing, whose policy sees the ops they run (named so in torch 2.11 to 2.15).
 _SELECTIVE_MODES = tuple(
     c for c in (getattr(_checkpoint, n, None) for n in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"))
     if isinstance(c, type)

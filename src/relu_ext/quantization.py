@@ -15,7 +15,7 @@ FX graph mode quantization matches patterns of its own and is not taught:
 says to :func:`relu_ext.revert` the model first (:func:`refuse_fx_tracing`).
 
 Every read of ``torch.ao.quantization``'s tables is here (checked on torch
-2.11 and 2.14).
+2.11, 2.14 and 2.15).
 """
 
 from __future__ import annotations
