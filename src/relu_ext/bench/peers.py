@@ -83,7 +83,8 @@ def triton_relu() -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor]
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         keep = offs < n
         x = tl.load(x_ptr + offs, mask=keep)
-        tl.store(y_ptr + offs, tl.where(x < 0, 0.0, x).to(x.dtype), mask=keep)
+        # Compared in float32: Triton 3.9's interpreter compares bfloat16 as raw bits.
+        tl.store(y_ptr + offs, tl.where(x.to(tl.float32) < 0, 0.0, x).to(x.dtype), mask=keep)
 
     @triton.jit
     def bwd_kernel(g_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -91,7 +92,7 @@ def triton_relu() -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor]
         keep = offs < n
         g = tl.load(g_ptr + offs, mask=keep)
         y = tl.load(y_ptr + offs, mask=keep)
-        tl.store(out_ptr + offs, tl.where(y <= 0, 0.0, g).to(g.dtype), mask=keep)
+        tl.store(out_ptr + offs, tl.where(y.to(tl.float32) <= 0, 0.0, g).to(g.dtype), mask=keep)
 
     def forward(x: Tensor) -> Tensor:
         assert x.is_contiguous()
