@@ -14,6 +14,7 @@ Without torch only metadata and the sdist can be made: pip's default isolated
 build environment has no torch, so a wheel needs `--no-build-isolation`.
 """
 
+import glob
 import os
 import re
 import shlex
@@ -142,9 +143,9 @@ def needed_libraries(path: str) -> "list[str] | None":
 
 
 def extension(reason: "str | None", arch: "str | None"):
-    sources = ["csrc/ops.cpp", "csrc/layout.cpp", "csrc/autograd.cpp", "csrc/install.cpp", "csrc/module.cpp",
-               "csrc/relu_cpu.cpp", "csrc/compact_cpu.cpp", "csrc/family.cpp", "csrc/family_cpu.cpp",
-               "csrc/replay_cpu.cpp"]
+    # csrc/core (shared), csrc/activations and csrc/compact (save_compact); includes are from csrc/.
+    sources = sorted(glob.glob("csrc/*/*.cpp"))
+    include = [os.path.abspath("csrc")]
     # -g0: Python's default CFLAGS carry -g, which doubles compile time.
     cxx, link = ["-O3", "-g0"], []
     if SANITIZE:
@@ -160,11 +161,13 @@ def extension(reason: "str | None", arch: "str | None"):
         link.append("-fopenmp")
     link += shared_libstdcxx_args()
     if reason is not None:
-        return CppExtension("relu_ext._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
+        return CppExtension("relu_ext._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx},
+                            extra_link_args=link)
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     return CUDAExtension(
         "relu_ext._C",
-        sources + ["csrc/relu_cuda.cu"],
+        sources + sorted(glob.glob("csrc/*/*.cu")),
+        include_dirs=include,
         define_macros=[("WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-Xcompiler", "-g0"]},
         extra_link_args=link,

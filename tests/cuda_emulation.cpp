@@ -1,4 +1,4 @@
-// Runs the CUDA device code (csrc/relu_cuda_kernels.cuh) on the CPU, so that
+// Runs the CUDA device code (csrc/*/kernels.cuh, csrc/core/cuda.cuh) on the CPU, so that
 // its indexing, tails, grid-stride loops, unrolls and shuffled mask words
 // are checked on machines without a GPU (tests/test_cuda_emulation.py builds
 // and runs this). A warp is 32 fibers (ucontext), one per lane; each runs
@@ -8,7 +8,7 @@
 // wait, are reported: a diverged warp). Warps, then blocks, run one after
 // another; atomics are plain adds (lanes run one at a time).
 //
-// Every kernel is compared with the element-wise contract of relu.h (the one
+// Every kernel is compared with the element-wise contract of core/bits.h (the one
 // the CPU kernels follow, and those are compared with torch.relu), the
 // family's kernels with their traits (activations.h) applied element by
 // element (the CPU kernels are those traits, compared with PyTorch), and the
@@ -52,7 +52,8 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#include "../csrc/relu_cuda_kernels.cuh"
+#include "activations/kernels.cuh"
+#include "compact/kernels.cuh"
 
 namespace {
 
@@ -192,7 +193,7 @@ void expect(bool ok, const char* what, const char* kernel, int64_t n, int64_t at
 }
 
 // Blocks for `threads` threads, at most `cap` (the device's resident limit in
-// relu_cuda.cu; small here so that the grid-stride loops take several passes).
+// cuda_launch.cuh; small here so that the grid-stride loops take several passes).
 // kNoCap: every block it needs, one group per warp (set_cuda_waves(0)).
 constexpr unsigned kNoCap = ~0u;
 constexpr unsigned kCaps[] = {1u, 3u, kNoCap};

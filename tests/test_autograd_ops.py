@@ -127,7 +127,7 @@ def test_opcheck_integer_ops(device, dtype):
 
 def test_every_op_has_an_autograd_kernel():
     """No op of the library is silently non-differentiable: each has relu_ext's
-    own autograd kernel (family.cpp for the activations, autograd.cpp for the
+    own autograd kernel (activations/family.cpp, compact/autograd.cpp for the
     save_compact ops), not a fallthrough or PyTorch's not-implemented fallback."""
     names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("relu_ext::")]
     assert len(names) == 5 * len(_C.install_targets()) + 8, names  # 5 ops per activation; compaction (5), replay (3)
@@ -136,7 +136,7 @@ def test_every_op_has_an_autograd_kernel():
         table = torch._C._dispatch_dump_table(name)
         for key in ("AutogradCPU", "AutogradCUDA", "AutogradMeta"):
             line = next(line for line in table.splitlines() if line.startswith(key + ":"))
-            assert re.search(r"csrc/(family|autograd)\.cpp", line), (name, line)
+            assert re.search(r"csrc/(activations/family|compact/autograd)\.cpp", line), (name, line)
 
 
 @pytest.mark.parametrize("device", DEVICES)

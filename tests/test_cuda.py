@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU vi
 
 ops = torch.ops.relu_ext
 
-# Launch geometry of csrc/relu_cuda.cu: kThreads, at most 2048 threads per SM
+# Launch geometry of csrc/core/cuda_launch.cuh: kThreads, at most 2048 threads per SM
 # resident (the grid's limit), 16-byte vectors, the unrolls it compiles.
 THREADS, MAX_BLOCKS_PER_SM, UNROLLS = 256, 8, (1, 2, 4)
 

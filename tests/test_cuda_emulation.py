@@ -17,6 +17,7 @@ from conftest import tool_env
 from torch.utils import cpp_extension
 
 HARNESS = Path(__file__).with_name("cuda_emulation.cpp")
+CSRC = next(p / "csrc" for p in Path(__file__).resolve().parents if (p / "csrc").is_dir())  # the kernels' includes
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 
 
@@ -25,7 +26,7 @@ def _cxx() -> str:
 
 
 def _compile(out: Path, extra: list[str]) -> subprocess.CompletedProcess:
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    includes = [f"-I{CSRC}"] + [f"-I{p}" for p in cpp_extension.include_paths()]
     cmd = [_cxx(), "-std=c++20", "-O1", "-g0", "-fno-strict-aliasing", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", *extra,
            *includes, str(HARNESS), "-o", str(out)]
     return subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)

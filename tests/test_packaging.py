@@ -158,7 +158,7 @@ def test_sdist_holds_what_a_build_needs(tmp_path):
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     needed = {"setup.py", "pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md",
               "Makefile",
-              "csrc/relu.h", "csrc/ops.h", "csrc/relu_cuda.cu", "tests/conftest.py",
+              "csrc/core/bits.h", "csrc/core/checks.h", "csrc/activations/cuda.cu", "tests/conftest.py",
               "src/relu_ext/py.typed", "src/relu_ext/_C.pyi", "examples/two_layer_net.py"}
     needed |= {f for f in tracked if f.startswith(("csrc/", "src/", "tests/", "examples/", "docs/"))}
     assert needed <= names, sorted(needed - names)

@@ -11,7 +11,7 @@
 
 #include <c10/util/Half.h>
 
-#include "relu.h"
+#include "core/bits.h"
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define RELU_EXT_HALF_BLOCK 1

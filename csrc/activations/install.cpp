@@ -29,7 +29,7 @@
 #include <mutex>
 #include <vector>
 
-#include "ops.h"
+#include "activations/autograd.h"
 
 namespace relu_ext {
 namespace {

@@ -24,10 +24,22 @@
 #include <string>
 #include <utility>
 
-#include "compiled.h"
-#include "ops.h"
+#include "activations/autograd.h"
+#include "activations/compiled.h"
 
 namespace relu_ext {
+
+void check_backward_mask(const at::Tensor& grad, const at::Tensor& mask, const char* op) {
+  TORCH_CHECK(mask.device() == grad.device(), op, ": grad is on ", grad.device(), " but mask is on ", mask.device(),
+              "; both must be on the same device");
+  TORCH_CHECK(mask.scalar_type() == at::kByte, op, ": mask has dtype ", mask.scalar_type(),
+              "; expected uint8 (the mask returned by the forward op)");
+  const int64_t need = (grad.numel() + 7) / 8;
+  TORCH_CHECK(mask.dim() == 1 && mask.numel() == need, op, ": mask has shape ", mask.sizes(), " but grad has ",
+              grad.numel(), " elements, which need a 1-D mask of ", need, " bytes");
+  TORCH_CHECK(mask.is_contiguous(), op, ": mask must be contiguous");
+}
+
 
 namespace ag = torch::autograd;
 using ag::variable_list;

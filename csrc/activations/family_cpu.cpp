@@ -15,8 +15,9 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
-#include "activations.h"
-#include "half_block.h"
+#include "activations/activations.h"
+#include "core/half_block.h"
+#include "core/isa.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -25,12 +26,6 @@
 #include <cstring>
 #include <type_traits>
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-#define FAMILY_X86 1
-#include <immintrin.h>
-#define FAMILY_AVX2 __attribute__((target("avx2,f16c")))
-#define FAMILY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2")))
-#endif
 
 #define FAMILY_INLINE inline __attribute__((always_inline))
 
@@ -57,20 +52,20 @@ struct Lanes {
   }
 };
 
-#ifdef FAMILY_X86
-FAMILY_AVX2 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-FAMILY_AVX2 inline void store256(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+#ifdef RELU_EXT_X86
+RELU_EXT_AVX2 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+RELU_EXT_AVX2 inline void store256(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 
 template <>
 struct Lanes<kAvx2, uint32_t> {
-  FAMILY_AVX2 static uint64_t pack(const uint32_t* k) {
+  RELU_EXT_AVX2 static uint64_t pack(const uint32_t* k) {
     uint64_t w = 0;
     for (int v = 0; v < 8; ++v) {
       w |= uint64_t(static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(load256(k + 8 * v))))) << (8 * v);
     }
     return w;
   }
-  FAMILY_AVX2 static void unpack(uint64_t w, uint32_t* k) {
+  RELU_EXT_AVX2 static void unpack(uint64_t w, uint32_t* k) {
     const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     for (int v = 0; v < 8; ++v) {
       const __m256i bits = _mm256_set1_epi32(static_cast<int>((w >> (8 * v)) & 0xFF));
@@ -81,14 +76,14 @@ struct Lanes<kAvx2, uint32_t> {
 
 template <>
 struct Lanes<kAvx2, uint64_t> {
-  FAMILY_AVX2 static uint64_t pack(const uint64_t* k) {
+  RELU_EXT_AVX2 static uint64_t pack(const uint64_t* k) {
     uint64_t w = 0;
     for (int v = 0; v < 16; ++v) {
       w |= uint64_t(static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(load256(k + 4 * v))))) << (4 * v);
     }
     return w;
   }
-  FAMILY_AVX2 static void unpack(uint64_t w, uint64_t* k) {
+  RELU_EXT_AVX2 static void unpack(uint64_t w, uint64_t* k) {
     const __m256i sel = _mm256_setr_epi64x(1, 2, 4, 8);
     for (int v = 0; v < 16; ++v) {
       const __m256i bits = _mm256_set1_epi64x(static_cast<long long>((w >> (4 * v)) & 0xF));
@@ -102,7 +97,7 @@ struct Lanes<kAvx2, uint64_t> {
 // way back.
 template <>
 struct Lanes<kAvx512, uint32_t> {
-  FAMILY_AVX512 static uint64_t pack(const uint32_t* k) {
+  RELU_EXT_AVX512 static uint64_t pack(const uint32_t* k) {
     uint64_t w = 0;
     for (int v = 0; v < 4; ++v) {
       const __m512i a = _mm512_loadu_si512(k + 16 * v);
@@ -110,7 +105,7 @@ struct Lanes<kAvx512, uint32_t> {
     }
     return w;
   }
-  FAMILY_AVX512 static void unpack(uint64_t w, uint32_t* k) {
+  RELU_EXT_AVX512 static void unpack(uint64_t w, uint32_t* k) {
     for (int v = 0; v < 4; ++v) {
       _mm512_storeu_si512(k + 16 * v, _mm512_maskz_mov_epi32(__mmask16(w >> (16 * v)), _mm512_set1_epi32(-1)));
     }
@@ -231,21 +226,21 @@ void bwd_scalar(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t 
   bwd_body<Act, T, kScalar>(g, mask, out, begin, end, p);
 }
 
-#ifdef FAMILY_X86
+#ifdef RELU_EXT_X86
 template <typename Act, typename T, bool kMask, bool kInplace>
-FAMILY_AVX2 void fwd_avx2(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& p) {
+RELU_EXT_AVX2 void fwd_avx2(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& p) {
   fwd_body<Act, T, kAvx2, kMask, kInplace>(x, y, mask, begin, end, p);
 }
 template <typename Act, typename T>
-FAMILY_AVX2 void bwd_avx2(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end, const P<Act, T>& p) {
+RELU_EXT_AVX2 void bwd_avx2(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end, const P<Act, T>& p) {
   bwd_body<Act, T, kAvx2>(g, mask, out, begin, end, p);
 }
 template <typename Act, typename T, bool kMask, bool kInplace>
-FAMILY_AVX512 void fwd_avx512(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& p) {
+RELU_EXT_AVX512 void fwd_avx512(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end, const P<Act, T>& p) {
   fwd_body<Act, T, kAvx512, kMask, kInplace>(x, y, mask, begin, end, p);
 }
 template <typename Act, typename T>
-FAMILY_AVX512 void bwd_avx512(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end,
+RELU_EXT_AVX512 void bwd_avx512(const T* g, const uint8_t* mask, T* out, int64_t begin, int64_t end,
                               const P<Act, T>& p) {
   bwd_body<Act, T, kAvx512>(g, mask, out, begin, end, p);
 }
@@ -261,14 +256,13 @@ using BwdFn = void (*)(const T*, const uint8_t*, T*, int64_t, int64_t, const P<A
 // gain from 512 bits.
 template <typename Act, typename T, bool kMask, bool kInplace>
 FwdFn<Act, T> pick_fwd() {
-#ifdef FAMILY_X86
-  const Isa set = cpu_kernels();
+  constexpr auto scalar = &fwd_scalar<Act, T, kMask, kInplace>;
   if constexpr (kActivation512<T>) {
-    if (set == kAvx512) return &fwd_avx512<Act, T, kMask, kInplace>;
+    return pick<FwdFn<Act, T>>(scalar, RELU_EXT_X86_ONLY((&fwd_avx2<Act, T, kMask, kInplace>)),
+                               RELU_EXT_X86_ONLY((&fwd_avx512<Act, T, kMask, kInplace>)));
+  } else {
+    return pick<FwdFn<Act, T>>(scalar, RELU_EXT_X86_ONLY((&fwd_avx2<Act, T, kMask, kInplace>)));
   }
-  if (set >= kAvx2) return &fwd_avx2<Act, T, kMask, kInplace>;
-#endif
-  return &fwd_scalar<Act, T, kMask, kInplace>;
 }
 
 template <typename Act, typename T>
@@ -279,14 +273,12 @@ FwdFn<Act, T> pick_fwd(bool mask, bool inplace) {
 
 template <typename Act, typename T>
 BwdFn<Act, T> pick_bwd() {
-#ifdef FAMILY_X86
-  const Isa set = cpu_kernels();
   if constexpr (kActivation512<T>) {
-    if (set == kAvx512) return &bwd_avx512<Act, T>;
+    return pick<BwdFn<Act, T>>(&bwd_scalar<Act, T>, RELU_EXT_X86_ONLY((&bwd_avx2<Act, T>)),
+                               RELU_EXT_X86_ONLY((&bwd_avx512<Act, T>)));
+  } else {
+    return pick<BwdFn<Act, T>>(&bwd_scalar<Act, T>, RELU_EXT_X86_ONLY((&bwd_avx2<Act, T>)));
   }
-  if (set >= kAvx2) return &bwd_avx2<Act, T>;
-#endif
-  return &bwd_scalar<Act, T>;
 }
 
 template <typename Fn>

@@ -1,10 +1,8 @@
-// The library relu_ext's ops live in, the checks and layout helpers the
-// activations' ops share (their schema and kernels: family.cpp), and the
-// save_compact ops: compaction and the BatchNorm replay, schema and CPU /
+// The save_compact ops: compaction and the BatchNorm replay, schema and CPU /
 // CUDA wrappers (their autograd kernels: autograd.cpp). (vmap rules are in
 // Python, src/relu_ext/registrations.py: functorch's C++ headers need a JSON
 // library that torch does not ship.)
-#include "ops.h"
+#include "compact/compact.h"
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
@@ -13,52 +11,9 @@
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
-#include "relu.h"
+#include "core/bits.h"
 
 namespace relu_ext {
-
-void check_layout_and_device(const at::Tensor& t, const char* op, const char* arg) {
-  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
-              "; relu_ext supports strided (dense) tensors only");
-  const auto dev = t.device().type();
-  TORCH_CHECK(dev == at::kCPU || dev == at::kCUDA || dev == at::kMeta, op, ": ", arg, " is on ", t.device(),
-              "; relu_ext has kernels for CPU and CUDA tensors only");
-}
-
-bool has_kernel_for(const at::Tensor& x) {
-  const auto dev = x.device().type();
-  return x.layout() == at::kStrided && !x.is_quantized() && !x.is_nested() &&
-         (dev == at::kCPU || dev == at::kCUDA || dev == at::kMeta);
-}
-
-bool is_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
-
-bool is_relu_dtype(at::ScalarType t) {
-  return is_float(t) || t == at::kByte || t == at::kChar || t == at::kShort || t == at::kInt || t == at::kLong;
-}
-
-void no_cuda_kernels(const std::string& op) {
-  TORCH_CHECK(false, op,
-              ": input is on CUDA, but this relu_ext build has CPU kernels only (torch without CUDA, no nvcc "
-              "at build time, or RELU_EXT_FORCE_CPU=1); rebuild relu_ext where nvcc is available");
-}
-
-at::Tensor new_mask(const at::Tensor& x) {
-  return at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
-}
-
-void check_backward_mask(const at::Tensor& grad, const at::Tensor& mask, const char* op) {
-  TORCH_CHECK(mask.device() == grad.device(), op, ": grad is on ", grad.device(), " but mask is on ", mask.device(),
-              "; both must be on the same device");
-  TORCH_CHECK(mask.scalar_type() == at::kByte, op, ": mask has dtype ", mask.scalar_type(),
-              "; expected uint8 (the mask returned by the forward op)");
-  const int64_t need = (grad.numel() + 7) / 8;
-  TORCH_CHECK(mask.dim() == 1 && mask.numel() == need, op, ": mask has shape ", mask.sizes(), " but grad has ",
-              grad.numel(), " elements, which need a 1-D mask of ", need, " bytes");
-  TORCH_CHECK(mask.is_contiguous(), op, ": mask must be contiguous");
-}
 
 namespace {
 
@@ -80,7 +35,7 @@ void check_compaction_mask(const at::Tensor& mask, const at::Tensor& t, const ch
               " but the tensor has ", t.numel(), " elements, which need a contiguous 1-D mask of ", need, " bytes");
 }
 
-// The CPU kernels are compact_cpu.cpp's, the CUDA ones relu_cuda.cu's.
+// The CPU kernels are compact_cpu.cpp's, the CUDA ones cuda.cu's.
 std::tuple<at::Tensor, at::Tensor> compact(const at::Tensor& y, const at::Tensor& mask) {
   check_compactable(y, "relu_ext::compact", "y");
   check_compaction_mask(mask, y, "relu_ext::compact");
@@ -284,8 +239,7 @@ at::Tensor nonzero_mask_no_cuda(const at::Tensor&) { no_cuda_kernels("relu_ext::
 
 }  // namespace
 
-// The activations' ops are defined in family.cpp (mask layout: see relu.h).
-TORCH_LIBRARY(relu_ext, m) {
+TORCH_LIBRARY_FRAGMENT(relu_ext, m) {
   // save_compact: a dense tensor as the elements its bitmap keeps (compact;
   // `missed` counts dropped elements that are not +0), back (expand), and the
   // bitmap of its nonzero elements. Not differentiable: they act on saved data.

@@ -26,8 +26,9 @@
 #pragma GCC optimize("no-trapping-math", "no-math-errno", "fp-contract=off")  // vectorized selects and fma; no fma but ours
 #endif
 
-#include "activations.h"
-#include "half_block.h"
+#include "compact/compact.h"
+#include "core/half_block.h"
+#include "core/isa.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -37,11 +38,6 @@
 #include <cmath>
 #include <cstring>
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-#define REPLAY_X86 1
-#define REPLAY_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define REPLAY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,fma")))
-#endif
 #define REPLAY_INLINE inline __attribute__((always_inline))
 
 namespace relu_ext {
@@ -98,8 +94,8 @@ REPLAY_INLINE void one(const T* __restrict x, const OpMath<T>* __restrict ar, co
 
 #ifdef RELU_EXT_HALF_BLOCK
 // bfloat16 to float and back a block at a time, on the bits with AVX2's
-// integer instructions (c10::BFloat16's own operations vectorize poorly:
-// 5-7x a copy's time before, 4-5x now). Exact one way; the other is
+// integer instructions (c10::BFloat16's own operations vectorize poorly;
+// docs/performance.md has the figures). Exact one way; the other is
 // from_m's: round to nearest even, a NaN becomes 0x7FC0. Only the AVX2 set
 // runs it (pick() below).
 struct Bf16Block {
@@ -150,17 +146,16 @@ struct Bf16Block {
 // its conversion rounds to nearest even in one instruction, but reads a
 // denormal as zero and keeps a NaN's payload, so sixteen floats with a
 // denormal or a NaN among them take the integer rounding above instead.
-#define REPLAY_BF16_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 struct Bf16Block512 {
   // Sixteen bfloat16 as floats.
-  REPLAY_BF16_512 static __m512 load16(__m256i h) {
+  RELU_EXT_AVX512_BF16 static __m512 load16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  REPLAY_BF16_512 static __m256i at(const c10::BFloat16* h) {
+  RELU_EXT_AVX512_BF16 static __m256i at(const c10::BFloat16* h) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
   }
   // Sixteen floats rounded to bfloat16 as from_m rounds them.
-  REPLAY_BF16_512 static __m256i narrow16(__m512 f) {
+  RELU_EXT_AVX512_BF16 static __m256i narrow16(__m512 f) {
     if (__builtin_expect(_mm512_fpclass_ps_mask(f, 0xA1) == 0, 1)) {  // (no NaN, quiet or signalling, no denormal)
       return (__m256i)_mm512_cvtneps_pbh(f);      // (16 bfloat16, as their bits)
     }
@@ -170,20 +165,20 @@ struct Bf16Block512 {
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
   }
-  REPLAY_BF16_512 static void widen(const c10::BFloat16* h, float* f) {
+  RELU_EXT_AVX512_BF16 static void widen(const c10::BFloat16* h, float* f) {
     for (int v = 0; v < kHalfBlock / 16; ++v) _mm512_storeu_ps(f + 16 * v, load16(at(h + 16 * v)));
   }
-  REPLAY_BF16_512 static void round(float* f) {
+  RELU_EXT_AVX512_BF16 static void round(float* f) {
     for (int v = 0; v < kHalfBlock / 16; ++v) {
       _mm512_storeu_ps(f + 16 * v, load16(narrow16(_mm512_loadu_ps(f + 16 * v))));
     }
   }
-  REPLAY_BF16_512 static void narrow(const float* f, c10::BFloat16* h) {
+  RELU_EXT_AVX512_BF16 static void narrow(const float* f, c10::BFloat16* h) {
     for (int v = 0; v < kHalfBlock / 16; ++v) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + 16 * v), narrow16(_mm512_loadu_ps(f + 16 * v)));
     }
   }
-  REPLAY_BF16_512 static bool differs(const float* f, const c10::BFloat16* h) {
+  RELU_EXT_AVX512_BF16 static bool differs(const float* f, const c10::BFloat16* h) {
     __m256i acc = _mm256_setzero_si256();
     for (int v = 0; v < kHalfBlock / 16; ++v) {
       acc = _mm256_or_si256(acc, _mm256_xor_si256(narrow16(_mm512_loadu_ps(f + 16 * v)), at(h + 16 * v)));
@@ -314,14 +309,14 @@ uint64_t body_scalar(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, 
                      const P<Act, T>& p) {
   return body<Act, T, kScalar, kVerify, kRes>(in, in2, y, inner, c, begin, end, p);
 }
-#ifdef REPLAY_X86
+#ifdef RELU_EXT_X86
 template <typename Act, typename T, bool kVerify, bool kRes>
-REPLAY_AVX2 uint64_t body_avx2(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, int64_t begin, int64_t end,
+RELU_EXT_AVX2_FMA uint64_t body_avx2(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, int64_t begin, int64_t end,
                                const P<Act, T>& p) {
   return body<Act, T, kAvx2, kVerify, kRes>(in, in2, y, inner, c, begin, end, p);
 }
 template <typename Act, typename T, bool kVerify, bool kRes>
-REPLAY_AVX512 uint64_t body_avx512(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, int64_t begin,
+RELU_EXT_AVX512_FMA uint64_t body_avx512(Input<T> in, Input<T> in2, T* y, int64_t inner, int64_t c, int64_t begin,
                                    int64_t end, const P<Act, T>& p) {
   return body<Act, T, kAvx512, kVerify, kRes>(in, in2, y, inner, c, begin, end, p);
 }
@@ -336,12 +331,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512dq,avx512bf16
 // The kernel set in use (cpu_kernels()), where the CPU also has FMA (the vector
 // sets' targets include it); else the portable loop, whose std::fma is exact too.
 // bfloat16 takes the AVX-512 set only with AVX512_BF16 (and DQ's fpclass), else
-// the AVX2 code: its block is written in 256-bit instructions, which the
-// compiler's 512-bit loops around them ran 1.7-1.9x slower than the AVX2 code
-// (Zen 4, 2026-11-26; docs/performance.md).
+// the AVX2 code: its block is written in 256-bit instructions, and the
+// compiler's 512-bit loops around them ran slower than the AVX2 code
+// (docs/performance.md).
 template <typename Act, typename T, bool kVerify, bool kRes>
 BodyFn<Act, T, kVerify, kRes> pick() {
-#ifdef REPLAY_X86
+#ifdef RELU_EXT_X86
   static const bool fma = __builtin_cpu_supports("fma");
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     static const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");

@@ -1,4 +1,6 @@
-#include "layout.h"
+#include "activations/layout.h"
+
+#include <algorithm>
 
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>

@@ -6,7 +6,7 @@
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
-#include "ops.h"
+#include "compact/compact.h"
 
 namespace relu_ext {
 

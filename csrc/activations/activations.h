@@ -40,8 +40,8 @@
 // PyTorch's CUDA kernels differ from its CPU ones in two ops, and relu_ext's
 // CUDA kernels follow them there (kCuda): threshold compares with the
 // threshold rounded to T (threshold.to<scalar_t>()), and hardsigmoid
-// multiplies by the float 1/6 instead of dividing by 6 (measured on an H100,
-// torch 2.11: 1-ulp differences in float32 / float64 otherwise).
+// multiplies by the float 1/6 instead of dividing by 6 (otherwise 1-ulp
+// differences from PyTorch's CUDA results in float32 / float64).
 //
 // Where PyTorch's vectorized CPU loop and its scalar loop disagree, the
 // scalar loop is followed:
@@ -63,7 +63,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include "relu.h"
+#include "core/bits.h"
+#include "core/isa.h"
 
 namespace relu_ext {
 
@@ -350,7 +351,8 @@ ActArgs act_args(const std::string& act, c10::ArrayRef<double> args) {
 
 // Kernels on dense tensors in memory order (x may alias y; mask may be null:
 // no mask is written). Float dtypes only: integer tensors never reach them
-// (relu's go to forward_int_*, relu.h). ReLU's are relu_cpu.cpp's.
+// (relu's go to forward_int_*). ReLU's are relu_cpu.cpp's, on the raw bits
+// (core/bits.h).
 template <typename Act>
 void act_forward_cpu(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
 template <typename Act>
@@ -360,28 +362,21 @@ void act_forward_cpu<Relu>(const at::Tensor& x, const at::Tensor& y, uint8_t* ma
 template <>
 void act_backward_cpu<Relu>(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in,
                             const ActArgs& args);
-// BatchNorm -> activation replay (replay_cpu.cpp; save_compact's recipes).
-// bn_terms_cpu: PyTorch's CPU BatchNorm terms per channel into alpha / beta
-// (opmath, `var` being save_invstd in training, running_var in eval).
-// bn_act_cpu: act(BN(x)) for a dense x with its channels in dimension 1, or,
-// given x2 (laid out as x), act(BN(x) + BN2(x2)) (the residual add); `act`
-// "relu" or a trait's kName with its arguments; written into y, or with
-// `verify` compared with y bit for bit (y unchanged; returns whether equal).
-void bn_terms_cpu(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                  const at::Tensor& mean, const at::Tensor& var, bool training, double eps, const at::Tensor& alpha,
-                  const at::Tensor& beta);
-bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& x2,
-                const at::Tensor& alpha2, const at::Tensor& beta2, const std::string& act, c10::ArrayRef<double> args,
-                const at::Tensor& y, bool verify);
+// ReLU's integer forward (int8/16/32/64, uint8) on dense tensors in memory
+// order, x possibly aliasing y: y = x < 0 ? 0 : x, as torch.relu; integers
+// carry no gradient, so no mask.
+void forward_int_cpu(const at::Tensor& x, const at::Tensor& y);
+// Whether the CPU kernels for elements of type T take the AVX-512 set's
+// 512-bit code on an AVX-512 CPU; otherwise they run the AVX2 code there. The
+// 32- and 64-bit ones only move data, and their 512-bit stores were slower
+// than the 256-bit code, which runs at PyTorch's speed (docs/performance.md);
+// PyTorch itself runs the AVX2 code of its element-wise kernels on AVX-512
+// CPUs. The 16-bit kernels gain from 512 bits.
+template <typename T>
+constexpr bool kActivation512 = sizeof(T) == 2;
 
 #ifdef WITH_CUDA
-// The CUDA replay (relu_cuda.cu): bn_act_cpu's contract with PyTorch's CUDA
-// transform and terms (bn_terms on CUDA: alpha = [weight; invstd], beta =
-// [mean; bias], 2 x C); with `differ` (an int32 scalar on x's device), the
-// comparison sets it to 1 where an element differs, else y is written.
-void bn_act_cuda(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& x2,
-                 const at::Tensor& alpha2, const at::Tensor& beta2, const std::string& act, c10::ArrayRef<double> args,
-                 const at::Tensor& y, const at::Tensor& differ);
+void forward_int_cuda(const at::Tensor& x, const at::Tensor& y);
 template <typename Act>
 void act_forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
 template <typename Act>

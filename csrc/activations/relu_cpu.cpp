@@ -3,8 +3,9 @@
 // portable C++), so one binary runs on any x86-64 CPU; no -march flag is
 // needed or wanted. AVX-512 is taken only with BW and VBMI2 (the 16-bit lanes
 // and compress / expand of compact_cpu.cpp), as on Zen 4 and Ice Lake on.
-#include "activations.h"
-#include "relu.h"
+#include "activations/activations.h"
+#include "core/bits.h"
+#include "core/isa.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -14,12 +15,6 @@
 #include <cstdlib>
 #include <cstring>
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-#define RELU_X86 1
-#include <immintrin.h>
-#define RELU_AVX2 __attribute__((target("avx2")))
-#define RELU_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
-#endif
 
 namespace relu_ext {
 namespace {
@@ -54,7 +49,7 @@ void bwd_scalar(const U* g, const uint8_t* mask, U* out, int64_t begin, int64_t 
   }
 }
 
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
 
 // AVX2: compares yield all-ones lanes; movemask packs them to bits, and
 // `expand` turns mask bits back into lanes.
@@ -64,15 +59,15 @@ struct Avx2;
 template <>
 struct Avx2<uint16_t> {
   static constexpr int kLanes = 16;
-  RELU_AVX2 static __m256i set1(uint16_t v) { return _mm256_set1_epi16(static_cast<short>(v)); }
-  RELU_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi16(a, b); }
-  RELU_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi16(a, b); }
-  RELU_AVX2 static uint32_t bits(__m256i k) {
+  RELU_EXT_AVX2 static __m256i set1(uint16_t v) { return _mm256_set1_epi16(static_cast<short>(v)); }
+  RELU_EXT_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi16(a, b); }
+  RELU_EXT_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi16(a, b); }
+  RELU_EXT_AVX2 static uint32_t bits(__m256i k) {
     // Saturating pack keeps 0 / -1 per lane and puts the 16 lanes in order.
     const __m128i packed = _mm_packs_epi16(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
     return static_cast<uint32_t>(_mm_movemask_epi8(packed));
   }
-  RELU_AVX2 static __m256i expand(uint32_t bits) {
+  RELU_EXT_AVX2 static __m256i expand(uint32_t bits) {
     const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
                                           8192, 16384, static_cast<short>(0x8000));
     return _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<short>(bits)), sel), sel);
@@ -82,13 +77,13 @@ struct Avx2<uint16_t> {
 template <>
 struct Avx2<uint32_t> {
   static constexpr int kLanes = 8;
-  RELU_AVX2 static __m256i set1(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
-  RELU_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi32(a, b); }
-  RELU_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi32(a, b); }
-  RELU_AVX2 static uint32_t bits(__m256i k) {
+  RELU_EXT_AVX2 static __m256i set1(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
+  RELU_EXT_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi32(a, b); }
+  RELU_EXT_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi32(a, b); }
+  RELU_EXT_AVX2 static uint32_t bits(__m256i k) {
     return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(k)));
   }
-  RELU_AVX2 static __m256i expand(uint32_t bits) {
+  RELU_EXT_AVX2 static __m256i expand(uint32_t bits) {
     const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits & 0xFF)), sel), sel);
   }
@@ -97,20 +92,20 @@ struct Avx2<uint32_t> {
 template <>
 struct Avx2<uint64_t> {
   static constexpr int kLanes = 4;
-  RELU_AVX2 static __m256i set1(uint64_t v) { return _mm256_set1_epi64x(static_cast<long long>(v)); }
-  RELU_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi64(a, b); }
-  RELU_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi64(a, b); }
-  RELU_AVX2 static uint32_t bits(__m256i k) {
+  RELU_EXT_AVX2 static __m256i set1(uint64_t v) { return _mm256_set1_epi64x(static_cast<long long>(v)); }
+  RELU_EXT_AVX2 static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi64(a, b); }
+  RELU_EXT_AVX2 static __m256i eq(__m256i a, __m256i b) { return _mm256_cmpeq_epi64(a, b); }
+  RELU_EXT_AVX2 static uint32_t bits(__m256i k) {
     return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(k)));
   }
-  RELU_AVX2 static __m256i expand(uint32_t bits) {
+  RELU_EXT_AVX2 static __m256i expand(uint32_t bits) {
     const __m256i sel = _mm256_setr_epi64x(1, 2, 4, 8);
     return _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(bits & 0xF), sel), sel);
   }
 };
 
 template <typename U, U kInf, bool kMask>
-RELU_AVX2 void fwd_avx2(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
+RELU_EXT_AVX2 void fwd_avx2(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
   using T = Avx2<U>;
   constexpr int L = T::kLanes;
   const __m256i zero = _mm256_setzero_si256();
@@ -144,29 +139,29 @@ struct Avx2Float;
 template <>
 struct Avx2Float<uint32_t> {
   static constexpr int kLanes = 8;
-  RELU_AVX2 static __m256 load(const uint32_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
-  RELU_AVX2 static void store(uint32_t* p, __m256 v) { _mm256_storeu_ps(reinterpret_cast<float*>(p), v); }
-  RELU_AVX2 static __m256 lt0(__m256 v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ); }
-  RELU_AVX2 static __m256 keep(__m256 v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NLE_UQ); }
-  RELU_AVX2 static __m256 andnot(__m256 k, __m256 v) { return _mm256_andnot_ps(k, v); }
-  RELU_AVX2 static uint32_t bits(__m256 k) { return static_cast<uint32_t>(_mm256_movemask_ps(k)); }
+  RELU_EXT_AVX2 static __m256 load(const uint32_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+  RELU_EXT_AVX2 static void store(uint32_t* p, __m256 v) { _mm256_storeu_ps(reinterpret_cast<float*>(p), v); }
+  RELU_EXT_AVX2 static __m256 lt0(__m256 v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ); }
+  RELU_EXT_AVX2 static __m256 keep(__m256 v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NLE_UQ); }
+  RELU_EXT_AVX2 static __m256 andnot(__m256 k, __m256 v) { return _mm256_andnot_ps(k, v); }
+  RELU_EXT_AVX2 static uint32_t bits(__m256 k) { return static_cast<uint32_t>(_mm256_movemask_ps(k)); }
 };
 
 template <>
 struct Avx2Float<uint64_t> {
   static constexpr int kLanes = 4;
-  RELU_AVX2 static __m256d load(const uint64_t* p) { return _mm256_loadu_pd(reinterpret_cast<const double*>(p)); }
-  RELU_AVX2 static void store(uint64_t* p, __m256d v) { _mm256_storeu_pd(reinterpret_cast<double*>(p), v); }
-  RELU_AVX2 static __m256d lt0(__m256d v) { return _mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_LT_OQ); }
-  RELU_AVX2 static __m256d keep(__m256d v) { return _mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_NLE_UQ); }
-  RELU_AVX2 static __m256d andnot(__m256d k, __m256d v) { return _mm256_andnot_pd(k, v); }
-  RELU_AVX2 static uint32_t bits(__m256d k) { return static_cast<uint32_t>(_mm256_movemask_pd(k)); }
+  RELU_EXT_AVX2 static __m256d load(const uint64_t* p) { return _mm256_loadu_pd(reinterpret_cast<const double*>(p)); }
+  RELU_EXT_AVX2 static void store(uint64_t* p, __m256d v) { _mm256_storeu_pd(reinterpret_cast<double*>(p), v); }
+  RELU_EXT_AVX2 static __m256d lt0(__m256d v) { return _mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_LT_OQ); }
+  RELU_EXT_AVX2 static __m256d keep(__m256d v) { return _mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_NLE_UQ); }
+  RELU_EXT_AVX2 static __m256d andnot(__m256d k, __m256d v) { return _mm256_andnot_pd(k, v); }
+  RELU_EXT_AVX2 static uint32_t bits(__m256d k) { return static_cast<uint32_t>(_mm256_movemask_pd(k)); }
 };
 
 constexpr unsigned kMxcsrDaz = 0x0040;
 
 template <typename U, U kInf, bool kMask>
-RELU_AVX2 void fwd_avx2_float(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
+RELU_EXT_AVX2 void fwd_avx2_float(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
   if (_mm_getcsr() & kMxcsrDaz) return fwd_avx2<U, kInf, kMask>(x, y, mask, begin, end);
   using T = Avx2Float<U>;
   constexpr int L = T::kLanes;
@@ -184,7 +179,7 @@ RELU_AVX2 void fwd_avx2_float(const U* x, U* y, uint8_t* mask, int64_t begin, in
 }
 
 template <typename U>
-RELU_AVX2 void bwd_avx2(const U* g, const uint8_t* mask, U* out, int64_t begin, int64_t end) {
+RELU_EXT_AVX2 void bwd_avx2(const U* g, const uint8_t* mask, U* out, int64_t begin, int64_t end) {
   using T = Avx2<U>;
   constexpr int L = T::kLanes;
   int64_t i0 = begin;
@@ -209,14 +204,14 @@ struct Avx512;
 template <>
 struct Avx512<uint16_t> {
   static constexpr int kLanes = 32;
-  RELU_AVX512 static __m512i set1(uint16_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
-  RELU_AVX512 static uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi16_mask(a, b); }
-  RELU_AVX512 static uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi16_mask(a, b); }
-  RELU_AVX512 static __m512i select(uint64_t k, __m512i v) { return _mm512_maskz_mov_epi16(__mmask32(k), v); }
+  RELU_EXT_AVX512 static __m512i set1(uint16_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
+  RELU_EXT_AVX512 static uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi16_mask(a, b); }
+  RELU_EXT_AVX512 static uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi16_mask(a, b); }
+  RELU_EXT_AVX512 static __m512i select(uint64_t k, __m512i v) { return _mm512_maskz_mov_epi16(__mmask32(k), v); }
 };
 
 template <typename U, U kInf, bool kMask>
-RELU_AVX512 void fwd_avx512(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
+RELU_EXT_AVX512 void fwd_avx512(const U* x, U* y, uint8_t* mask, int64_t begin, int64_t end) {
   using T = Avx512<U>;
   constexpr int L = T::kLanes;
   const __m512i zero = _mm512_setzero_si512();
@@ -238,7 +233,7 @@ RELU_AVX512 void fwd_avx512(const U* x, U* y, uint8_t* mask, int64_t begin, int6
 }
 
 template <typename U>
-RELU_AVX512 void bwd_avx512(const U* g, const uint8_t* mask, U* out, int64_t begin, int64_t end) {
+RELU_EXT_AVX512 void bwd_avx512(const U* g, const uint8_t* mask, U* out, int64_t begin, int64_t end) {
   using T = Avx512<U>;
   constexpr int L = T::kLanes;
   int64_t i0 = begin;
@@ -252,76 +247,35 @@ RELU_AVX512 void bwd_avx512(const U* g, const uint8_t* mask, U* out, int64_t beg
   bwd_scalar(g, mask, out, i0, end);
 }
 
-#endif  // RELU_X86
-
-const char* const kIsaNames[] = {"scalar", "avx2", "avx512"};
-
-int best_isa() {
-#ifdef RELU_X86
-  // libgcc / compiler-rt also check that the OS saves the YMM / ZMM registers.
-  __builtin_cpu_init();
-  // F16C: the family's float16 kernels convert with it (every AVX2 CPU has it).
-  if (!__builtin_cpu_supports("f16c")) return kScalar;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2")) {
-    return kAvx512;
-  }
-  if (__builtin_cpu_supports("avx2")) return kAvx2;
-#endif
-  return kScalar;
-}
-
-int parse_isa(const std::string& name) {
-  if (name == "auto") return best_isa();
-  for (int i = 0; i <= kAvx512; ++i) {
-    if (name == kIsaNames[i]) {
-      TORCH_CHECK(i <= best_isa(), "relu_ext: this CPU does not support the '", name,
-                  "' kernels; the best it supports is '", kIsaNames[best_isa()], "'");
-      return i;
-    }
-  }
-  TORCH_CHECK(false, "relu_ext: unknown CPU kernel set '", name, "'; choose auto, scalar, avx2 or avx512");
-}
-
-// RELU_EXT_CPU_ISA may lower the choice (for testing or comparison); an invalid
-// value is reported at the first kernel call rather than at import.
-std::atomic<int>& isa_choice() {
-  static std::atomic<int> choice{[] {
-    const char* env = std::getenv("RELU_EXT_CPU_ISA");
-    return env && *env ? parse_isa(env) : best_isa();
-  }()};
-  return choice;
-}
+#endif  // RELU_EXT_X86
 
 template <typename U, U kInf>
 using FwdFn = void (*)(const U*, U*, uint8_t*, int64_t, int64_t);
 template <typename U>
 using BwdFn = void (*)(const U*, const uint8_t*, U*, int64_t, int64_t);
 
+template <typename U, U kInf, bool kMask>
+FwdFn<U, kInf> pick_fwd() {
+  if constexpr (kActivation512<U>) {
+    return pick<FwdFn<U, kInf>>(&fwd_scalar<U, kInf>, RELU_EXT_X86_ONLY((&fwd_avx2<U, kInf, kMask>)),
+                                RELU_EXT_X86_ONLY((&fwd_avx512<U, kInf, kMask>)));
+  } else {
+    return pick<FwdFn<U, kInf>>(&fwd_scalar<U, kInf>, RELU_EXT_X86_ONLY((&fwd_avx2_float<U, kInf, kMask>)));
+  }
+}
+
 template <typename U, U kInf>
 FwdFn<U, kInf> pick_fwd(bool with_mask) {
-#ifdef RELU_X86
-  const Isa set = cpu_kernels();
-  if constexpr (kActivation512<U>) {
-    if (set == kAvx512) return with_mask ? &fwd_avx512<U, kInf, true> : &fwd_avx512<U, kInf, false>;
-    if (set == kAvx2) return with_mask ? &fwd_avx2<U, kInf, true> : &fwd_avx2<U, kInf, false>;
-  } else if (set >= kAvx2) {
-    return with_mask ? &fwd_avx2_float<U, kInf, true> : &fwd_avx2_float<U, kInf, false>;
-  }
-#endif
-  return &fwd_scalar<U, kInf>;
+  return with_mask ? pick_fwd<U, kInf, true>() : pick_fwd<U, kInf, false>();
 }
 
 template <typename U>
 BwdFn<U> pick_bwd() {
-#ifdef RELU_X86
-  const Isa set = cpu_kernels();
   if constexpr (kActivation512<U>) {
-    if (set == kAvx512) return &bwd_avx512<U>;
+    return pick<BwdFn<U>>(&bwd_scalar<U>, RELU_EXT_X86_ONLY(&bwd_avx2<U>), RELU_EXT_X86_ONLY(&bwd_avx512<U>));
+  } else {
+    return pick<BwdFn<U>>(&bwd_scalar<U>, RELU_EXT_X86_ONLY(&bwd_avx2<U>));
   }
-  if (set >= kAvx2) return &bwd_avx2<U>;
-#endif
-  return &bwd_scalar<U>;
 }
 
 // Splits [0, n) on kBlock boundaries over ATen's intra-op thread pool.
@@ -366,11 +320,5 @@ void act_backward_cpu<Relu>(const at::Tensor& grad, const uint8_t* mask, const a
     parallel_blocks(grad.numel(), [&](int64_t begin, int64_t end) { kernel(gp, mask, op, begin, end); });
   });
 }
-
-Isa cpu_kernels() { return static_cast<Isa>(isa_choice().load()); }
-
-const char* cpu_isa() { return kIsaNames[cpu_kernels()]; }
-
-void set_cpu_isa(const std::string& name) { isa_choice().store(parse_isa(name)); }
 
 }  // namespace relu_ext

@@ -27,14 +27,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "relu.h"
+#include "compact/compact.h"
+#include "core/bits.h"
+#include "core/isa.h"
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-#define RELU_X86 1
-#include <immintrin.h>
-#define RELU_AVX2 __attribute__((target("avx2,popcnt")))
-#define RELU_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
-#endif
 
 namespace relu_ext {
 namespace {
@@ -60,7 +56,7 @@ __attribute__((always_inline)) inline int64_t popcount_of(const uint8_t* mask, i
   return count;
 }
 
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
 // The same with the popcnt instruction, which every CPU with the vector
 // kernels has: without it the builtin is a call into libgcc, about a tenth of
 // an in-cache compact's time.
@@ -70,7 +66,7 @@ __attribute__((target("popcnt"))) int64_t popcount_x86(const uint8_t* mask, int6
 #endif
 
 int64_t popcount(const uint8_t* mask, int64_t b0, int64_t b1, int64_t n, bool fast) {
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
   if (fast) return popcount_x86(mask, b0, b1, n);
 #endif
   return popcount_of(mask, b0, b1, n);
@@ -166,7 +162,7 @@ void nonzero_chunk(const U* y, int64_t n, int64_t b0, int64_t b1, uint8_t* mask)
   }
 }
 
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
 
 // Permute tables, by mask bits m: compress*[m] lists the lanes of the set
 // bits of m in order (what compact keeps, packed to the front); expand*[m]
@@ -227,22 +223,22 @@ template <>
 struct Step<uint16_t> {
   static constexpr int S = 8;
   using V = __m128i;
-  RELU_AVX2 static V load(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const V*>(p)); }
-  RELU_AVX2 static void store(uint16_t* p, V v) { _mm_storeu_si128(reinterpret_cast<V*>(p), v); }
-  RELU_AVX2 static unsigned nonzero(V v) {
+  RELU_EXT_AVX2 static V load(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const V*>(p)); }
+  RELU_EXT_AVX2 static void store(uint16_t* p, V v) { _mm_storeu_si128(reinterpret_cast<V*>(p), v); }
+  RELU_EXT_AVX2 static unsigned nonzero(V v) {
     const V zero = _mm_cmpeq_epi16(v, _mm_setzero_si128());
     return ~unsigned(_mm_movemask_epi8(_mm_packs_epi16(zero, zero))) & 0xFFu;
   }
-  RELU_AVX2 static V compress(V v, unsigned m) {
+  RELU_EXT_AVX2 static V compress(V v, unsigned m) {
     return _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const V*>(kTables.compress16[m])));
   }
-  RELU_AVX2 static V expand(V v, unsigned m) {
+  RELU_EXT_AVX2 static V expand(V v, unsigned m) {
     return _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const V*>(kTables.expand16[m])));
   }
 };
 
 // The 8 one-byte lane indices at `idx` as the 32-bit lane indices of vpermd.
-RELU_AVX2 inline __m256i lanes(const uint8_t* idx) {
+RELU_EXT_AVX2 inline __m256i lanes(const uint8_t* idx) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx)));
 }
 
@@ -250,14 +246,14 @@ template <>
 struct Step<uint32_t> {
   static constexpr int S = 8;
   using V = __m256i;
-  RELU_AVX2 static V load(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const V*>(p)); }
-  RELU_AVX2 static void store(uint32_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); }
-  RELU_AVX2 static unsigned nonzero(V v) {
+  RELU_EXT_AVX2 static V load(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const V*>(p)); }
+  RELU_EXT_AVX2 static void store(uint32_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); }
+  RELU_EXT_AVX2 static unsigned nonzero(V v) {
     const V zero = _mm256_cmpeq_epi32(v, _mm256_setzero_si256());
     return ~unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(zero))) & 0xFFu;
   }
-  RELU_AVX2 static V compress(V v, unsigned m) { return _mm256_permutevar8x32_epi32(v, lanes(kTables.compress8[m])); }
-  RELU_AVX2 static V expand(V v, unsigned m) {
+  RELU_EXT_AVX2 static V compress(V v, unsigned m) { return _mm256_permutevar8x32_epi32(v, lanes(kTables.compress8[m])); }
+  RELU_EXT_AVX2 static V expand(V v, unsigned m) {
     const V keep = _mm256_load_si256(reinterpret_cast<const V*>(kTables.keep32[m]));
     return _mm256_and_si256(_mm256_permutevar8x32_epi32(v, lanes(kTables.expand8[m])), keep);
   }
@@ -267,14 +263,14 @@ template <>
 struct Step<uint64_t> {
   static constexpr int S = 4;
   using V = __m256i;
-  RELU_AVX2 static V load(const uint64_t* p) { return _mm256_loadu_si256(reinterpret_cast<const V*>(p)); }
-  RELU_AVX2 static void store(uint64_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); }
-  RELU_AVX2 static unsigned nonzero(V v) {
+  RELU_EXT_AVX2 static V load(const uint64_t* p) { return _mm256_loadu_si256(reinterpret_cast<const V*>(p)); }
+  RELU_EXT_AVX2 static void store(uint64_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); }
+  RELU_EXT_AVX2 static unsigned nonzero(V v) {
     const V zero = _mm256_cmpeq_epi64(v, _mm256_setzero_si256());
     return ~unsigned(_mm256_movemask_pd(_mm256_castsi256_pd(zero))) & 0xFu;
   }
-  RELU_AVX2 static V compress(V v, unsigned m) { return _mm256_permutevar8x32_epi32(v, lanes(kTables.compress64[m])); }
-  RELU_AVX2 static V expand(V v, unsigned m) {
+  RELU_EXT_AVX2 static V compress(V v, unsigned m) { return _mm256_permutevar8x32_epi32(v, lanes(kTables.compress64[m])); }
+  RELU_EXT_AVX2 static V expand(V v, unsigned m) {
     const V keep = _mm256_load_si256(reinterpret_cast<const V*>(kTables.keep64[m]));
     return _mm256_and_si256(_mm256_permutevar8x32_epi32(v, lanes(kTables.expand64[m])), keep);
   }
@@ -288,7 +284,7 @@ struct Step<uint64_t> {
 // as certainly fit (each pair keeps at most 16), without a check per step;
 // the rest stores through a buffer where S do not fit.
 template <typename U>
-RELU_AVX2 int64_t compact_chunk_avx2(const U* y, const uint8_t* mask, int64_t n, int64_t b0, int64_t b1, U* out,
+RELU_EXT_AVX2 int64_t compact_chunk_avx2(const U* y, const uint8_t* mask, int64_t n, int64_t b0, int64_t b1, U* out,
                                      const U* out_end) {
   using St = Step<U>;
   constexpr int S = St::S;
@@ -335,7 +331,7 @@ RELU_AVX2 int64_t compact_chunk_avx2(const U* y, const uint8_t* mask, int64_t n,
 // mask bytes while 16 values are left to read, the rest loads from a copy of
 // what is left where S are not.
 template <typename U>
-RELU_AVX2 void expand_chunk_avx2(const U* values, int64_t total, const uint8_t* mask, int64_t n, int64_t b0,
+RELU_EXT_AVX2 void expand_chunk_avx2(const U* values, int64_t total, const uint8_t* mask, int64_t n, int64_t b0,
                                  int64_t b1, int64_t pos, U* out) {
   using St = Step<U>;
   constexpr int S = St::S;
@@ -370,7 +366,7 @@ RELU_AVX2 void expand_chunk_avx2(const U* values, int64_t total, const uint8_t* 
 }
 
 template <typename U>
-RELU_AVX2 void nonzero_chunk_avx2(const U* y, int64_t n, int64_t b0, int64_t b1, uint8_t* mask) {
+RELU_EXT_AVX2 void nonzero_chunk_avx2(const U* y, int64_t n, int64_t b0, int64_t b1, uint8_t* mask) {
   using St = Step<U>;
   const int64_t full = std::min(b1, n / 8);
   for (int64_t b = b0; b < full; ++b) {
@@ -391,31 +387,31 @@ struct Vec512;
 template <>
 struct Vec512<uint16_t> {
   static constexpr int S = 32;
-  RELU_AVX512 static __m512i load(uint64_t k, const uint16_t* p) { return _mm512_maskz_loadu_epi16(__mmask32(k), p); }
-  RELU_AVX512 static void store(uint16_t* p, uint64_t k, __m512i v) { _mm512_mask_storeu_epi16(p, __mmask32(k), v); }
-  RELU_AVX512 static uint64_t nonzero(__m512i v) { return _mm512_test_epi16_mask(v, v); }
-  RELU_AVX512 static __m512i compress(uint64_t k, __m512i v) { return _mm512_maskz_compress_epi16(__mmask32(k), v); }
-  RELU_AVX512 static __m512i expand(uint64_t k, __m512i v) { return _mm512_maskz_expand_epi16(__mmask32(k), v); }
+  RELU_EXT_AVX512 static __m512i load(uint64_t k, const uint16_t* p) { return _mm512_maskz_loadu_epi16(__mmask32(k), p); }
+  RELU_EXT_AVX512 static void store(uint16_t* p, uint64_t k, __m512i v) { _mm512_mask_storeu_epi16(p, __mmask32(k), v); }
+  RELU_EXT_AVX512 static uint64_t nonzero(__m512i v) { return _mm512_test_epi16_mask(v, v); }
+  RELU_EXT_AVX512 static __m512i compress(uint64_t k, __m512i v) { return _mm512_maskz_compress_epi16(__mmask32(k), v); }
+  RELU_EXT_AVX512 static __m512i expand(uint64_t k, __m512i v) { return _mm512_maskz_expand_epi16(__mmask32(k), v); }
 };
 
 template <>
 struct Vec512<uint32_t> {
   static constexpr int S = 16;
-  RELU_AVX512 static __m512i load(uint64_t k, const uint32_t* p) { return _mm512_maskz_loadu_epi32(__mmask16(k), p); }
-  RELU_AVX512 static void store(uint32_t* p, uint64_t k, __m512i v) { _mm512_mask_storeu_epi32(p, __mmask16(k), v); }
-  RELU_AVX512 static uint64_t nonzero(__m512i v) { return _mm512_test_epi32_mask(v, v); }
-  RELU_AVX512 static __m512i compress(uint64_t k, __m512i v) { return _mm512_maskz_compress_epi32(__mmask16(k), v); }
-  RELU_AVX512 static __m512i expand(uint64_t k, __m512i v) { return _mm512_maskz_expand_epi32(__mmask16(k), v); }
+  RELU_EXT_AVX512 static __m512i load(uint64_t k, const uint32_t* p) { return _mm512_maskz_loadu_epi32(__mmask16(k), p); }
+  RELU_EXT_AVX512 static void store(uint32_t* p, uint64_t k, __m512i v) { _mm512_mask_storeu_epi32(p, __mmask16(k), v); }
+  RELU_EXT_AVX512 static uint64_t nonzero(__m512i v) { return _mm512_test_epi32_mask(v, v); }
+  RELU_EXT_AVX512 static __m512i compress(uint64_t k, __m512i v) { return _mm512_maskz_compress_epi32(__mmask16(k), v); }
+  RELU_EXT_AVX512 static __m512i expand(uint64_t k, __m512i v) { return _mm512_maskz_expand_epi32(__mmask16(k), v); }
 };
 
 template <>
 struct Vec512<uint64_t> {
   static constexpr int S = 8;
-  RELU_AVX512 static __m512i load(uint64_t k, const uint64_t* p) { return _mm512_maskz_loadu_epi64(__mmask8(k), p); }
-  RELU_AVX512 static void store(uint64_t* p, uint64_t k, __m512i v) { _mm512_mask_storeu_epi64(p, __mmask8(k), v); }
-  RELU_AVX512 static uint64_t nonzero(__m512i v) { return _mm512_test_epi64_mask(v, v); }
-  RELU_AVX512 static __m512i compress(uint64_t k, __m512i v) { return _mm512_maskz_compress_epi64(__mmask8(k), v); }
-  RELU_AVX512 static __m512i expand(uint64_t k, __m512i v) { return _mm512_maskz_expand_epi64(__mmask8(k), v); }
+  RELU_EXT_AVX512 static __m512i load(uint64_t k, const uint64_t* p) { return _mm512_maskz_loadu_epi64(__mmask8(k), p); }
+  RELU_EXT_AVX512 static void store(uint64_t* p, uint64_t k, __m512i v) { _mm512_mask_storeu_epi64(p, __mmask8(k), v); }
+  RELU_EXT_AVX512 static uint64_t nonzero(__m512i v) { return _mm512_test_epi64_mask(v, v); }
+  RELU_EXT_AVX512 static __m512i compress(uint64_t k, __m512i v) { return _mm512_maskz_compress_epi64(__mmask8(k), v); }
+  RELU_EXT_AVX512 static __m512i expand(uint64_t k, __m512i v) { return _mm512_maskz_expand_epi64(__mmask8(k), v); }
 };
 
 // The first `count` (0..64) lanes.
@@ -446,7 +442,7 @@ inline uint64_t step_bits(const uint8_t* mask, int64_t i, int64_t end) {
 // One step: the kept values of y[0, S) (`lanes`: those inside the tensor) to
 // `out`; returns how many, and counts in *missed the dropped values that are not +0.
 template <typename U>
-RELU_AVX512 inline int compact_step(const U* y, uint64_t m, uint64_t lanes, U* out, int64_t* missed) {
+RELU_EXT_AVX512 inline int compact_step(const U* y, uint64_t m, uint64_t lanes, U* out, int64_t* missed) {
   using V = Vec512<U>;
   const __m512i v = V::load(lanes, y);
   *missed += _mm_popcnt_u64(V::nonzero(v) & ~m);
@@ -456,7 +452,7 @@ RELU_AVX512 inline int compact_step(const U* y, uint64_t m, uint64_t lanes, U* o
 }
 
 template <typename U>
-RELU_AVX512 inline int expand_step(const U* values, uint64_t m, uint64_t lanes, U* out) {
+RELU_EXT_AVX512 inline int expand_step(const U* values, uint64_t m, uint64_t lanes, U* out) {
   using V = Vec512<U>;
   const int k = static_cast<int>(_mm_popcnt_u64(m));
   V::store(out, lanes, V::expand(m, V::load(first_lanes(k), values)));
@@ -464,7 +460,7 @@ RELU_AVX512 inline int expand_step(const U* values, uint64_t m, uint64_t lanes, 
 }
 
 template <typename U>
-RELU_AVX512 int64_t compact_chunk_avx512(const U* y, const uint8_t* mask, int64_t n, int64_t b0, int64_t b1,
+RELU_EXT_AVX512 int64_t compact_chunk_avx512(const U* y, const uint8_t* mask, int64_t n, int64_t b0, int64_t b1,
                                          U* out) {
   constexpr int S = Vec512<U>::S;
   const int64_t end = std::min(b1 * 8, n);
@@ -475,7 +471,7 @@ RELU_AVX512 int64_t compact_chunk_avx512(const U* y, const uint8_t* mask, int64_
 }
 
 template <typename U>
-RELU_AVX512 void expand_chunk_avx512(const U* values, const uint8_t* mask, int64_t n, int64_t b0, int64_t b1,
+RELU_EXT_AVX512 void expand_chunk_avx512(const U* values, const uint8_t* mask, int64_t n, int64_t b0, int64_t b1,
                                      int64_t pos, U* out) {
   constexpr int S = Vec512<U>::S;
   const int64_t end = std::min(b1 * 8, n);
@@ -485,7 +481,7 @@ RELU_AVX512 void expand_chunk_avx512(const U* values, const uint8_t* mask, int64
 }
 
 template <typename U>
-RELU_AVX512 void nonzero_chunk_avx512(const U* y, int64_t n, int64_t b0, int64_t b1, uint8_t* mask) {
+RELU_EXT_AVX512 void nonzero_chunk_avx512(const U* y, int64_t n, int64_t b0, int64_t b1, uint8_t* mask) {
   using V = Vec512<U>;
   constexpr int S = V::S;
   const int64_t end = std::min(b1 * 8, n);
@@ -500,7 +496,7 @@ RELU_AVX512 void nonzero_chunk_avx512(const U* y, int64_t n, int64_t b0, int64_t
   }
 }
 
-#endif  // RELU_X86
+#endif  // RELU_EXT_X86
 
 }  // namespace
 
@@ -515,7 +511,7 @@ at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed
     const U* in = static_cast<const U*>(y.const_data_ptr());
     U* out = static_cast<U*>(values.data_ptr());
     for_each_chunk(n, [&](int64_t c, int64_t b0, int64_t b1) {
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
       if (set == kAvx512) {
         missed[c] = compact_chunk_avx512<U>(in, mask, n, b0, b1, out + start[c]);
         return;
@@ -544,7 +540,7 @@ void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor&
     const U* in = static_cast<const U*>(values.const_data_ptr());
     U* dst = static_cast<U*>(out.data_ptr());
     for_each_chunk(n, [&](int64_t c, int64_t b0, int64_t b1) {
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
       if (set == kAvx512) return expand_chunk_avx512<U>(in, mask, n, b0, b1, start[c], dst);
       if (set == kAvx2) return expand_chunk_avx2<U>(in, total, mask, n, b0, b1, start[c], dst);
 #endif
@@ -612,31 +608,31 @@ void fill_chunk(const uint8_t* mask, int64_t n, int64_t b0, int64_t b1, U v, U* 
   }
 }
 
-#ifdef RELU_X86
-RELU_AVX2 inline __m128i splat(uint16_t v) { return _mm_set1_epi16(static_cast<short>(v)); }
-RELU_AVX2 inline __m256i splat(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
-RELU_AVX2 inline __m256i splat(uint64_t v) { return _mm256_set1_epi64x(static_cast<long long>(v)); }
-RELU_AVX2 inline __m128i xor_of(__m128i a, __m128i b) { return _mm_xor_si128(a, b); }
-RELU_AVX2 inline __m256i xor_of(__m256i a, __m256i b) { return _mm256_xor_si256(a, b); }
-RELU_AVX2 inline __m128i and_of(__m128i a, __m128i b) { return _mm_and_si128(a, b); }
-RELU_AVX2 inline __m256i and_of(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+#ifdef RELU_EXT_X86
+RELU_EXT_AVX2 inline __m128i splat(uint16_t v) { return _mm_set1_epi16(static_cast<short>(v)); }
+RELU_EXT_AVX2 inline __m256i splat(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
+RELU_EXT_AVX2 inline __m256i splat(uint64_t v) { return _mm256_set1_epi64x(static_cast<long long>(v)); }
+RELU_EXT_AVX2 inline __m128i xor_of(__m128i a, __m128i b) { return _mm_xor_si128(a, b); }
+RELU_EXT_AVX2 inline __m256i xor_of(__m256i a, __m256i b) { return _mm256_xor_si256(a, b); }
+RELU_EXT_AVX2 inline __m128i and_of(__m128i a, __m128i b) { return _mm_and_si128(a, b); }
+RELU_EXT_AVX2 inline __m256i and_of(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
 
 // All-ones lanes where bits of m (S of them, lane j <- bit j) are set.
-RELU_AVX2 inline __m128i lanes_of(unsigned m, uint16_t) {
+RELU_EXT_AVX2 inline __m128i lanes_of(unsigned m, uint16_t) {
   const __m128i bit = _mm_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128);
   return _mm_cmpeq_epi16(_mm_and_si128(_mm_set1_epi16(static_cast<short>(m)), bit), bit);
 }
-RELU_AVX2 inline __m256i lanes_of(unsigned m, uint32_t) {
+RELU_EXT_AVX2 inline __m256i lanes_of(unsigned m, uint32_t) {
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(m)), bit), bit);
 }
-RELU_AVX2 inline __m256i lanes_of(unsigned m, uint64_t) {
+RELU_EXT_AVX2 inline __m256i lanes_of(unsigned m, uint64_t) {
   const __m256i bit = _mm256_setr_epi64x(1, 2, 4, 8);
   return _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(m), bit), bit);
 }
 
 template <typename U>
-RELU_AVX2 bool binary_chunk_avx2(const U* y, int64_t n, int64_t b0, int64_t b1, U v, uint8_t* mask) {
+RELU_EXT_AVX2 bool binary_chunk_avx2(const U* y, int64_t n, int64_t b0, int64_t b1, U v, uint8_t* mask) {
   using St = Step<U>;
   const auto value = splat(v);
   unsigned other = 0;
@@ -655,7 +651,7 @@ RELU_AVX2 bool binary_chunk_avx2(const U* y, int64_t n, int64_t b0, int64_t b1, 
 }
 
 template <typename U>
-RELU_AVX2 void fill_chunk_avx2(const uint8_t* mask, int64_t n, int64_t b0, int64_t b1, U v, U* out) {
+RELU_EXT_AVX2 void fill_chunk_avx2(const uint8_t* mask, int64_t n, int64_t b0, int64_t b1, U v, U* out) {
   using St = Step<U>;
   const auto value = splat(v);
   const int64_t full = std::min(b1, n / 8);
@@ -675,7 +671,7 @@ void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(y.const_data_ptr());
     for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) {
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
       if (set == kAvx512) return nonzero_chunk_avx512<U>(in, n, b0, b1, mask);
       if (set == kAvx2) return nonzero_chunk_avx2<U>(in, n, b0, b1, mask);
 #endif
@@ -697,7 +693,7 @@ bool binary_mask_cpu(const at::Tensor& y, uint8_t* mask, const at::Tensor& value
     std::memcpy(value.data_ptr(), &v, sizeof(U));
     for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) {
       if (other.load(std::memory_order_relaxed)) return;  // (a tensor that is not two-valued stops early)
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
       const bool two = set != kScalar ? binary_chunk_avx2<U>(in, n, b0, b1, v, mask)
                                       : binary_chunk<U>(in, n, b0, b1, v, mask);
 #else
@@ -718,7 +714,7 @@ void binary_expand_cpu(const uint8_t* mask, const at::Tensor& value, const at::T
     std::memcpy(&v, value.const_data_ptr(), sizeof(U));
     U* dst = static_cast<U*>(out.data_ptr());
     for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) {
-#ifdef RELU_X86
+#ifdef RELU_EXT_X86
       if (set != kScalar) return fill_chunk_avx2<U>(mask, n, b0, b1, v, dst);
 #endif
       fill_chunk<U>(mask, n, b0, b1, v, dst);

@@ -8,8 +8,10 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
-#include "ops.h"
-#include "relu.h"
+#include "activations/autograd.h"
+#include "compact/compact.h"
+#include "core/cuda_launch.h"
+#include "core/isa.h"
 
 namespace relu_ext {
 namespace {
