@@ -3,6 +3,7 @@ it claims (every round), its ratios are computed from its own rounds, it marks
 figures that cannot be trusted, and its peers compute ReLU (else their
 timings would mean nothing)."""
 
+import ast
 import ctypes
 import importlib.util
 import itertools
@@ -774,6 +775,26 @@ def test_make_readme_tabulates_each_results_file(result, tmp_path):
     assert mr.main(check[1:]) == 0 and readme.read_text() == text and mr.main(check) == 0
     (results / "run.json").write_text(json.dumps(dict(res, environment=dict(res["environment"], torch="9.9"))))
     assert mr.main(check) == 1  # stale
+
+
+def test_bench_modules_import_no_circle():
+    """relu_ext.bench's modules import one another in one direction (function-level imports too)."""
+    folder = Path(cli.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("relu_ext.bench."):
+                deps.add(node.module.split(".")[2])
+        graph[path.stem] = deps & {p.stem for p in folder.glob("*.py")}
+    assert graph["real"] >= {"models"} and "real" not in graph["models"]  # the circle there once
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, (*seen, d))) for d in graph[start])
+
+    assert not [m for m in graph if reaches(m, m)], graph
 
 
 def bn_probe():
