@@ -1,13 +1,15 @@
-"""Writes bench/README.md, the measured tables, from the benchmark's results files.
+"""Writes bench/README.md, a compact summary of the benchmark's kept results files.
 
     python bench/make_readme.py           # rewrite bench/README.md from bench/results/
     python bench/make_readme.py --check   # exit 1 if bench/README.md is not what it would write
 
 Every *.json under bench/results/ that `python -m relu_ext.bench` wrote, newest run first:
-its hardware, torch version and date, its kernel rows (op, dtype, size; per implementation
-the time vs torch's and the fraction of a copy's GB/s) and its real-model rows (model,
-configuration; held bytes, peak and step time vs PyTorch's ReLU). Other JSON files (a GPU
-check's env.json) are listed as skipped. Standard library only: no build of relu_ext needed.
+its hardware, torch version and date; its kernel rows summarised per op and dtype (relu_ext's
+time vs torch's, lowest to highest over the run's sizes) and its real-model rows (per model and
+dtype, for each configuration held bytes, peak and step time vs PyTorch's ReLU). The other
+implementations, every size and every round are in the JSON and the plot. Other JSON files (a
+GPU check's env.json) are listed as skipped. Standard library only: no build of relu_ext needed.
+bench/results keeps the latest run per device and section; older runs are in git history.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 Row = dict[str, Any]
+SECTIONS = ("kernels", "family", "small", "memory", "models", "compiled")
 
 HEADER = """# Measured results
 
@@ -31,9 +34,12 @@ results file, run the script again (`tests/test_bench.py` fails while this file 
 How the benchmark measures and what its marks mean: [docs/benchmarking.md](../docs/benchmarking.md);
 how to read the figures: [docs/performance.md](../docs/performance.md).
 
-Marks: `~` a figure whose rounds disagree (spread above the run's limit); `!` after a size:
-the copy of that row ran below half of the run's best copy (the machine was busy). Marked
-figures are not to be trusted."""
+`bench/results/` keeps the latest run per device and section (the file name's suffix); older
+runs are in git history (every one up to commit 7410029). This page summarises each run: the
+kernel tables give relu_ext's time vs torch's per op and dtype, lowest to highest over the run's
+sizes; every implementation, size and round is in the run's JSON and plot. A `~` after a range
+or a ratio: a figure in it is marked (its rounds disagree, or the machine was busy), not to be
+trusted."""
 
 
 def size_label(n: int) -> str:
@@ -49,7 +55,7 @@ def _ratio(v: float | None) -> str:
 
 
 def _mark(marks: list[str]) -> str:
-    return "~" if "noisy" in marks else ""
+    return "~" if marks else ""
 
 
 def _table(head: list[str], rows: list[list[str]], numeric_from: int) -> list[str]:
@@ -69,95 +75,92 @@ def hardware(env: dict[str, Any]) -> str:
     return f"{cpu}; relu_ext's CPU kernels: {build.get('cpu_isa', 'unknown')}"
 
 
+def kernel_cell(rows: list[Row]) -> str:
+    """relu_ext's time vs torch's over `rows` (one op and dtype, every size), lowest-highest; for an op
+    torch has no counterpart of (compact, expand, bn), its fraction of a copy's GB/s instead."""
+    cells = [r["results"]["relu_ext"] for r in rows if "relu_ext" in r["results"]]
+    if not cells:
+        return ""
+    marked = _mark([m for r in rows for m in r["marks"] + r["results"].get("relu_ext", {}).get("marks", [])])
+    if any(c["vs_torch"] is None for c in cells):
+        shares = [c["of_copy"] for c in cells]
+        return f"{_span(shares, '{:.0%}')} of copy{marked}"
+    return _span([c["vs_torch"] for c in cells], "{:.2f}") + marked
+
+
+def _span(values: list[float], fmt: str) -> str:
+    """"low-high" of `values` in `fmt`, or one figure where both read the same."""
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
 def kernel_lines(rows: list[Row], title: str) -> list[str]:
-    """Per row: op, dtype, size, the copy's GB/s; per implementation time vs torch's and
-    fraction of the copy's GB/s (torch: the fraction only)."""
+    """One line per op, one column per dtype: relu_ext's time vs torch's over the sizes (kernel_cell)."""
     if not rows:
         return []
-    impls = list(dict.fromkeys(i for r in rows for i in r["results"]))
-    body = []
-    for r in rows:
-        cells = []
-        for impl in impls:
-            c = r["results"].get(impl)
-            share = "" if c is None else f"{c['of_copy']:.0%}{_mark(c['marks'])}"
-            cells.append("" if c is None else share if impl == "torch" else f"{_ratio(c['vs_torch'])} · {share}")
-        size = size_label(r["numel"]) + ("!" if "copy low" in r["marks"] else "")
-        body.append([r["case"], r["dtype"], size, f"{r['copy_gbs']:.1f}"] + cells)
-    return ["", f"### {title}", "",
-            "Each cell: time vs torch's (<1: faster) · fraction of a copy's GB/s (the ceiling; torch: the fraction "
-            "only). Cases torch has no counterpart for (compact, expand) have no ratio.", "",
-            *_table(["op", "dtype", "size", "copy GB/s", *impls], body, 2)]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    sizes = sorted({r["numel"] for r in rows})
+    body = [[case] + [kernel_cell([r for r in rows if (r["case"], r["dtype"]) == (case, d)]) for d in dtypes]
+            for case in dict.fromkeys(r["case"] for r in rows)]
+    return ["", f"{title}, relu_ext's time vs torch's (<1: faster) at {', '.join(map(size_label, sizes))} "
+                "elements:", "", *_table(["op", *dtypes], body, 1)]
 
 
 def model_lines(rows: list[Row], title: str) -> list[str]:
-    """Per model, dtype and configuration: held MiB and its ratio, peak ratio, step ms and its ratio,
-    the ratios vs the first configuration's (PyTorch's ReLU, compiled or not)."""
+    """One line per model and dtype: the first configuration's (PyTorch's ReLU, compiled or not) held
+    MiB, then one column per other configuration: held · peak · step time, each vs the first's."""
     if not rows:
         return []
-    first = next(iter(rows[0]["results"].values()))
-    if "held_bytes" not in first:  # the first schema: the three small models, one result per implementation
-        title = "small models, training mode (an older schema)"
+    configs = list(rows[0]["results"])
     body = []
     for r in rows:
-        for config, m in r["results"].items():
-            held = m.get("held_bytes", m.get("saved_bytes"))
-            step = f"{m['median_s'] * 1e3:.1f}" if "median_s" in m else "–"
-            body.append([r["model"], r["dtype"], r.get("input") or f"batch {r.get('batch', '?')}", config,
-                         f"{held / 2**20:.2f}", _ratio(m.get("held_vs_torch", m.get("saved_vs_torch"))),
-                         _ratio(m.get("peak_vs_torch")), step, _ratio(m.get("vs_torch")) + _mark(m.get("marks", []))])
-    note = ("Bytes the three small models save for backward, one row per implementation; no step time."
-            if "held_bytes" not in first else
-            f"held: bytes the autograd graph holds after forward (exact); peak: of one training step; step: its "
-            f"time. Ratios vs {next(iter(rows[0]['results']))} (<1: less).")
-    return ["", f"### {title}", "", note, "",
-            *_table(["model", "dtype", "input", "config", "held MiB", "held vs torch", "peak vs torch", "step ms",
-                     "step vs torch"], body, 4)]
+        cells = [" · ".join(_ratio(m.get(k)) for k in ("held_vs_torch", "peak_vs_torch", "vs_torch"))
+                 + _mark(m.get("marks", [])) if m else "" for m in (r["results"].get(c) for c in configs[1:])]
+        base = r["results"][configs[0]]["held_bytes"] / 2**20
+        body.append([r["model"], r["dtype"], r["input"], f"{base:.1f}", *cells])
+    return ["", f"{title}: held (by the graph after forward, exact) · peak (of a training step) · step time, "
+                f"each vs {configs[0]} (<1: less):", "",
+            *_table(["model", "dtype", "input", f"{configs[0]} held MiB", *configs[1:]], body, 3)]
 
 
-def run_lines(path: Path, res: dict[str, Any], base: Path) -> list[str]:
-    """One results file: where and how it ran, then its tables."""
+def run_lines(path: Path, res: dict[str, Any], results: Path) -> list[str]:
+    """One results file under `results`: where and how it ran, then its summary tables."""
+    base = results.parent
     env, config = res["environment"], res.get("config", {})
-    build, load = env.get("relu_ext") or {}, env.get("load_start") or {}
-    sections = [s for s in ("kernels", "family", "small", "memory", "models", "compiled") if res.get(s)]
+    load = env.get("load_start") or {}
+    sections = [s for s in SECTIONS if res.get(s)]
     png = path.with_suffix(".png")
-    plot = f" ([plot]({png.relative_to(base).as_posix()}))" if png.exists() else ""
-    busy = " (busy)" if load.get("busy") else ""
-    lines = ["", f"## {path.stem}", "",
-             f"- file: [{path.relative_to(base).as_posix()}]({path.relative_to(base).as_posix()}){plot}",
-             f"- date: {env['date'].replace('T', ' ')}",
-             f"- hardware: {hardware(env)}",
-             f"- software: torch {env['torch']}, Python {env.get('python', '?')}, relu_ext built with torch "
-             f"{build.get('built_with_torch', '?')}",
-             f"- run: sections {', '.join(sections)}; {config.get('rounds', '?')} rounds, "
-             f"{config.get('budget_s', '?')} s per figure; malloc {env.get('malloc', 'as is').split(':')[0]}; load {load.get('load1', 0):.2f} on "
-             f"{load.get('cpus', '?')} CPUs at the start{busy}"]
+    plot = f", [plot]({png.relative_to(base).as_posix()})" if png.exists() else ""
     trust = res.get("trust")
-    if trust:
-        lines.append(f"- trust: {trust['marked']} of {trust['figures']} figures marked ({trust['noisy']} noisy, "
-                     f"{trust['copy_low_rows']} rows with a slow copy)")
+    marked = f"; {trust['marked']} of {trust['figures']} figures marked" if trust else ""
+    lines = ["", f"## {path.relative_to(results).with_suffix('').as_posix()}", "",
+             f"[{path.relative_to(base).as_posix()}]({path.relative_to(base).as_posix()}){plot}: "
+             f"{env['date'].replace('T', ' ')[:16]}, {hardware(env)}; torch {env['torch']}; sections "
+             f"{', '.join(sections)}; {config.get('rounds', '?')} rounds; load {load.get('load1', 0):.2f} on "
+             f"{load.get('cpus', '?')} CPUs at the start{' (busy)' if load.get('busy') else ''}{marked}."]
     skipped = config.get("skipped_models")
     if skipped:
-        lines.append("- skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()))
-    untabled = [s for s in ("small", "models") if s in sections]
-    if untabled:
-        lines.append(f"- not tabulated here: {', '.join(untabled)} (per-call times of small tensors, step times of "
-                     f"three small models): in the JSON and the plot")
-    lines += kernel_lines(res.get("kernels", []), "kernels")
-    lines += kernel_lines(res.get("family", []), "the family's kernels")
+        lines.append("Skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()) + ".")
+    lines += kernel_lines(res.get("kernels", []), "Kernels")
+    lines += kernel_lines(res.get("family", []), "The family's kernels")
     memory = res.get("memory")
     if memory:
         per = memory.get("saved_per_element", [])
         if per:
-            lines += ["", "### memory", "", "Bytes saved for backward per element of one activation: " + "; ".join(
+            lines += ["", "Bytes saved for backward per element of one activation: " + "; ".join(
                 f"{r['dtype']}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["bytes_per_element"].items()) for r in per)
                 + "."]
-        lines += model_lines(memory.get("models", []), "real models, training mode")
+        lines += model_lines(memory.get("models", []), "Real models, training mode")
     compiled = res.get("compiled")
     if compiled:
         lines += model_lines(compiled.get("models", []),
-                             f"real models under torch.compile ({config.get('compile_backend', 'inductor')})")
+                             f"Real models under torch.compile ({config.get('compile_backend', 'inductor')})")
     return lines
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, spaces to dashes, other punctuation but - and _ dropped."""
+    return "".join(c for c in heading.lower().replace(" ", "-") if c.isalnum() or c in "-_")
 
 
 def render(results: Path) -> str:
@@ -172,12 +175,12 @@ def render(results: Path) -> str:
             skipped.append(path)
     runs.sort(key=lambda run: (run[1]["environment"]["date"], run[0].name), reverse=True)
     index = [[env["date"].replace("T", " ")[:16], env["device"], hardware(env), env["torch"],
-              ", ".join(s for s in ("kernels", "family", "small", "memory", "models", "compiled") if res.get(s)),
-              f"[{path.stem}](#{path.stem.lower()})"]  # the anchor of its section's heading
-             for path, res in runs for env in [res["environment"]]]
+              ", ".join(s for s in SECTIONS if res.get(s)), f"[{stem}](#{anchor(stem)})"]
+             for path, res in runs for env in [res["environment"]]
+             for stem in [path.relative_to(results).with_suffix("").as_posix()]]
     lines = [HEADER, "", *_table(["run", "device", "hardware", "torch", "sections", "results"], index, 99)]
     for path, res in runs:
-        lines += run_lines(path, res, base)
+        lines += run_lines(path, res, results)
     if skipped:
         lines += ["", "Skipped (not results of `python -m relu_ext.bench`): "
                   + ", ".join(f"`{p.relative_to(base).as_posix()}`" for p in skipped) + "."]

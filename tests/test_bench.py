@@ -3,6 +3,7 @@ it claims (every round), its ratios are computed from its own rounds, it marks
 figures that cannot be trusted, and its peers compute ReLU (else their
 timings would mean nothing)."""
 
+import ast
 import ctypes
 import importlib.util
 import itertools
@@ -736,7 +737,7 @@ def markdown_rows(text, first_cells):
     return dict(zip(cells[head], cells[k]))
 
 
-def test_make_readme_tabulates_each_results_file(result, tmp_path):
+def test_make_readme_summarises_each_results_file(result, tmp_path):
     res, _ = result
     mr = make_readme()
     results = tmp_path / "results"
@@ -745,35 +746,58 @@ def test_make_readme_tabulates_each_results_file(result, tmp_path):
     (results / "gpu-x" / "env.json").write_text(json.dumps({"device": "H100"}))  # a GPU check's, not the bench's
     older = json.loads(json.dumps(res))
     older["environment"]["date"] = "2020-01-01T00:00:00"
-    older["memory"]["models"] = [{"model": "mlp", "batch": 64, "dtype": "float32", "results": {
-        impl: {"saved_bytes": 2**20 * k, "saved_vs_torch": k, "peak_bytes": 0, "peak_vs_torch": 1.0, "peak_method": "-"}
-        for impl, k in (("torch", 1.0), ("relu_ext", 0.5))}}]
-    (results / "older.json").write_text(json.dumps(older))
+    (results / "gpu-x" / "older.json").write_text(json.dumps(older))
     text = mr.render(results)
-    assert text.index("## run") < text.index("## older")  # newest first
+    assert text.index("## run") < text.index("## gpu-x/older")  # newest first, named by its path
     assert "Skipped (not results of `python -m relu_ext.bench`): `results/gpu-x/env.json`." in text
-    assert f"- hardware: {res['environment']['cpu']}, {res['environment']['threads']} threads" in text
-    for section, case in (("kernels", "bwd"), ("family", "relu6 bwd")):
-        row = next(r for r in res[section] if (r["dtype"], r["numel"], r["case"]) == ("float32", 4099, case))
-        cells = markdown_rows(text, [case, "float32", "4099"])
-        ext, torch_ = row["results"]["relu_ext"], row["results"]["torch"]
-        assert cells["relu_ext"].rstrip("~") == f"{ext['vs_torch']:.2f} · {ext['of_copy']:.0%}"
-        assert cells["torch"].rstrip("~") == f"{torch_['of_copy']:.0%}"
-        assert cells["copy GB/s"] == f"{row['copy_gbs']:.1f}"
+    assert f"{res['environment']['cpu']}, {res['environment']['threads']} threads" in text
+    for section, case in (("kernels", "bwd"), ("family", "relu6 bwd"), ("kernels", "compact")):
+        rows = [r for r in res[section] if (r["dtype"], r["case"]) == ("float32", case)]
+        ext = [r["results"]["relu_ext"] for r in rows]
+        want = (f"{min(c['vs_torch'] for c in ext):.2f}-{max(c['vs_torch'] for c in ext):.2f}" if case != "compact"
+                else f"{min(c['of_copy'] for c in ext):.0%}-{max(c['of_copy'] for c in ext):.0%} of copy")
+        marked = any(r["marks"] or r["results"]["relu_ext"]["marks"] for r in rows)
+        assert len(rows) == 2 and markdown_rows(text, [case])["float32"] == want + ("~" if marked else "")
     m = next(r for r in res["memory"]["models"] if (r["model"], r["dtype"]) == ("resnet18", "float32"))
-    cells = markdown_rows(text, ["resnet18", "float32", m["input"], "install+compact"])
+    cells = markdown_rows(text, ["resnet18", "float32", m["input"]])
     got = m["results"]["install+compact"]
-    assert cells["held vs torch"] == f"{got['held_vs_torch']:.2f}" and cells["step vs torch"].rstrip("~") == \
-        f"{got['vs_torch']:.2f}" and cells["held MiB"] == f"{got['held_bytes'] / 2**20:.2f}"
-    assert "### small models, training mode (an older schema)" in text
-    cells = markdown_rows(text, ["mlp", "float32", "batch 64", "relu_ext"])
-    assert (cells["held MiB"], cells["held vs torch"], cells["step ms"]) == ("0.50", "0.50", "–")
+    assert cells["install+compact"].rstrip("~") == \
+        f"{got['held_vs_torch']:.2f} · {got['peak_vs_torch']:.2f} · {got['vs_torch']:.2f}"
+    assert cells["nn.ReLU held MiB"] == f"{m['results']['nn.ReLU']['held_bytes'] / 2**20:.1f}"
     readme = tmp_path / "README.md"
     check = ["--check", "--results", str(results), "--readme", str(readme)]
     assert mr.main(check) == 1  # missing
     assert mr.main(check[1:]) == 0 and readme.read_text() == text and mr.main(check) == 0
     (results / "run.json").write_text(json.dumps(dict(res, environment=dict(res["environment"], torch="9.9"))))
     assert mr.main(check) == 1  # stale
+
+
+def test_bench_readme_is_short():
+    """bench/README.md summarises the kept runs (the latest per device and section), not every run ever."""
+    readme = ROOT / "bench" / "README.md"
+    if not readme.exists():
+        pytest.skip("no bench/README.md here (an unpacked sdist)")
+    assert len(readme.read_text().splitlines()) <= 300
+
+
+def test_bench_modules_import_no_circle():
+    """relu_ext.bench's modules import one another in one direction (function-level imports too)."""
+    folder = Path(cli.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("relu_ext.bench."):
+                deps.add(node.module.split(".")[2])
+        graph[path.stem] = deps & {p.stem for p in folder.glob("*.py")}
+    assert graph["real"] >= {"models"} and "real" not in graph["models"]  # the circle there once
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, (*seen, d))) for d in graph[start])
+
+    assert not [m for m in graph if reaches(m, m)], graph
 
 
 def bn_probe():

@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["small"] = run_rows("small", device, dtypes[:1], config["small_sizes"], impls, rounds,
                                    config["small_budget_s"], config["max_spread"], progress)
     if "memory" in what:
-        result["memory"] = models.run_memory(device, dtypes, impls, config["models"], config["quick"], rounds,
-                                             config["budget_s"], config["max_spread"], progress, config["input_shapes"])
+        result["memory"] = real.run_memory(device, dtypes, impls, config["models"], config["quick"], rounds,
+                                           config["budget_s"], config["max_spread"], progress, config["input_shapes"])
     if "models" in what:
         result["models"] = models.run_models(device, impls, rounds, config["budget_s"], config["quick"], progress,
                                              config["max_spread"])

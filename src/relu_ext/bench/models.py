@@ -1,5 +1,5 @@
 """Three small models with each activation: training step time; bytes saved for backward per
-element of one activation; the memory section's figures of real models (real.py)."""
+element of one activation. Imports no other section's module (real.py builds on this one)."""
 
 from __future__ import annotations
 
@@ -91,60 +91,6 @@ def saved_bytes_per_element(device: str, dtype: torch.dtype, impls: list[str], n
             act(x)  # compile / first-call work outside the measurement
             out[impl] = saved_bytes(lambda: act(x)) / n
     return out
-
-
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{field} not in /proc/self/status")
-
-
-def peak_of(step: Callable[[], Tensor], device: str) -> dict[str, Any]:
-    """The peak memory of one call of `step` above what was live before it.
-
-    CUDA: torch.cuda.max_memory_allocated. CPU: growth of the resident-set
-    high-water mark (VmHWM, reset through /proc/self/clear_refs); the caller
-    tells glibc to mmap every block of 64 KiB or more, so that freed tensors
-    leave the process at once and the RSS follows the live tensors.
-    """
-    if device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return {"peak_bytes": torch.cuda.max_memory_allocated() - before, "peak_method": "torch.cuda.max_memory_allocated"}
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        before = _rss_bytes("VmRSS")
-        step()
-        # Linux syncs per-thread RSS counters every 64 page faults, so the
-        # figures are good to about 256 KiB per thread: tiny models can read
-        # slightly below zero, which means "below resolution".
-        return {"peak_bytes": max(0, _rss_bytes("VmHWM") - before),
-                "peak_method": "VmHWM growth (resolution ~256 KiB), glibc mmap threshold 64 KiB"}
-    except OSError as err:
-        return {"peak_bytes": None, "peak_method": f"unavailable: {err}"}
-
-
-def run_memory(device: str, dtypes: list[torch.dtype], impls: list[str], names: list[str], quick: bool, rounds: int,
-               budget_s: float, max_spread: float, progress: timing.Progress,
-               shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
-    """Bytes saved per element of one activation for each dtype and implementation, and the
-    real models' held bytes, peak and step time under each memory configuration (real.py;
-    `shapes`: the input shape of each user model among `names`)."""
-    from . import real
-
-    per_element = []
-    for dtype in dtypes:
-        progress.step(f"memory saved bytes {peers.dtype_name(dtype)}")
-        per_element.append({"dtype": peers.dtype_name(dtype),
-                            "bytes_per_element": saved_bytes_per_element(device, dtype, impls)})
-    rows = real.run(device, dtypes, names, quick, rounds, budget_s, max_spread, progress, shapes=shapes)
-    return {"saved_per_element": per_element, "models": rows}
 
 
 def run_models(device: str, impls: list[str], rounds: int, budget_s: float, quick: bool,

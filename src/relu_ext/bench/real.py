@@ -1,6 +1,6 @@
 """Real models (torchvision, transformers; random weights, built from configs) under five
 memory configurations: the bytes their autograd graph holds after forward, the peak of one
-training step, and its time.
+training step, and its time; with models.py's bytes per element, the memory section (run_memory).
 
 Configurations: ``nn.ReLU`` (PyTorch as it is), ``install`` (relu_ext.install(): every ReLU
 is relu_ext's), ``install+compact`` (and relu_ext.save_compact(recompute=False) around the
@@ -289,9 +289,46 @@ def step_fn(model: nn.Module, inputs: Any, config: str) -> Callable[[], Tensor]:
     return step
 
 
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def peak_of(step: Callable[[], Tensor], device: str) -> dict[str, Any]:
+    """The peak memory of one call of `step` above what was live before it.
+
+    CUDA: torch.cuda.max_memory_allocated. CPU: growth of the resident-set
+    high-water mark (VmHWM, reset through /proc/self/clear_refs); the caller
+    tells glibc to mmap every block of 64 KiB or more, so that freed tensors
+    leave the process at once and the RSS follows the live tensors.
+    """
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return {"peak_bytes": torch.cuda.max_memory_allocated() - before, "peak_method": "torch.cuda.max_memory_allocated"}
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        before = _rss_bytes("VmRSS")
+        step()
+        # Linux syncs per-thread RSS counters every 64 page faults, so the
+        # figures are good to about 256 KiB per thread: tiny models can read
+        # slightly below zero, which means "below resolution".
+        return {"peak_bytes": max(0, _rss_bytes("VmHWM") - before),
+                "peak_method": "VmHWM growth (resolution ~256 KiB), glibc mmap threshold 64 KiB"}
+    except OSError as err:
+        return {"peak_bytes": None, "peak_method": f"unavailable: {err}"}
+
+
 def peak_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """In this (fresh) process, for one configuration: the peak of one training step of each
-    model and dtype above what was live before it (models.peak_of)."""
+    model and dtype above what was live before it (peak_of)."""
     device, config, quick = spec["device"], spec["config"], spec["quick"]
     # The parent's import path, after this process's own: where the parent found a user's module.
     sys.path.extend(p for p in spec.get("path", []) if p not in sys.path)
@@ -305,7 +342,7 @@ def peak_worker(spec: dict[str, Any]) -> dict[str, Any]:
             step = step_fn(model, inputs, config)
             with step.context():
                 step()  # gradients exist from here on (and a compiled model is compiled)
-                out[f"{name}/{dtype}"] = models.peak_of(step, device)
+                out[f"{name}/{dtype}"] = peak_of(step, device)
             del model, inputs, step
             forget_compiled()
     return out
@@ -371,6 +408,21 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
             del model, inputs, run_as, steps
             forget_compiled()
     return rows
+
+
+def run_memory(device: str, dtypes: list[torch.dtype], impls: list[str], names: list[str], quick: bool, rounds: int,
+               budget_s: float, max_spread: float, progress: timing.Progress,
+               shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Bytes saved per element of one activation for each dtype and implementation, and the
+    real models' held bytes, peak and step time under each memory configuration (run();
+    `shapes`: the input shape of each user model among `names`)."""
+    per_element = []
+    for dtype in dtypes:
+        progress.step(f"memory saved bytes {peers.dtype_name(dtype)}")
+        per_element.append({"dtype": peers.dtype_name(dtype),
+                            "bytes_per_element": models.saved_bytes_per_element(device, dtype, impls)})
+    rows = run(device, dtypes, names, quick, rounds, budget_s, max_spread, progress, shapes=shapes)
+    return {"saved_per_element": per_element, "models": rows}
 
 
 def vs_eager(compiled: list[dict[str, Any]], eager: list[dict[str, Any]]) -> None:
