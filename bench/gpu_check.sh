@@ -88,7 +88,7 @@ SANITIZER_TESTS=(
 )
 STEP_NAMES=(build test sanitize bench unroll)
 QUICK_BENCH_ARGS=(--sizes 65536,1048576,16777216,268435456 --what kernels,small --budget 0.2)
-UNROLLS=(1 2 4)  # what csrc/relu_cuda.cu compiles (set_cuda_unroll); the family's kernels have 4 only
+UNROLLS=(1 2 4)  # what csrc/activations/cuda.cu compiles (set_cuda_unroll); the family's kernels have 4 only
 WAVES=(1 0)      # grid caps to compare (set_cuda_waves): one wave of resident blocks, none
 UNROLL_BENCH_ARGS=(--impls torch,relu_ext --sizes 16777216,268435456 --dtypes float32,bfloat16
                    --rounds 3 --budget 0.1 --no-files --no-progress)

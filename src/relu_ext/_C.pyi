@@ -1,4 +1,4 @@
-"""Type stub for relu_ext._C, the pybind11 module built from csrc/module.cpp.
+"""Type stub for relu_ext._C, the pybind11 module built from csrc/core/module.cpp.
 
 The ops themselves are reached as ``torch.ops.relu_ext.*``.
 """

@@ -4,7 +4,7 @@ Each is a drop-in for its ``torch.nn.functional`` twin (same signature, values
 and gradients) and each module subclasses its ``torch.nn`` class. PyTorch's
 own backward keeps the activation's *input* for these (a full tensor no other
 layer holds); relu_ext's keeps a 1-bit mask instead. The op list is
-:data:`ACTIVATIONS`, declared once (the C++ side: ``csrc/activations.h``);
+:data:`ACTIVATIONS`, declared once (the C++ side: ``csrc/activations/activations.h``);
 fake kernels, vmap rules, exporters, ``install()``, ``convert()`` and
 ``save_compact()`` are generated from it.
 """

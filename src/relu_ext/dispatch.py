@@ -8,7 +8,7 @@ TorchScript graphs, C++ callers. The same holds for the family's ops
 (``aten::hardtanh``, hence ``F.relu6`` and ``nn.ReLU6``; ``leaky_relu``;
 ``threshold``; ``hardsigmoid``) on floating-point tensors: ``install(ops=...)``
 takes a subset. The kernels are registered with PyTorch's
-dispatcher (csrc/install.cpp); no Python function is replaced and no other op
+dispatcher (csrc/activations/install.cpp); no Python function is replaced and no other op
 is touched. Everything else (sparse, quantized, nested, mkldnn, other devices
 and dtypes, ``__torch_dispatch__`` subclasses, hence the fake tensors
 ``torch.compile`` and ``torch.export`` trace with) keeps PyTorch's kernel.

@@ -4,11 +4,11 @@
   symbolic that writes ``relu_ext::relu`` as a standard ``Relu`` node, and the
   family's ops as PyTorch's own symbolics write theirs (``Clip``,
   ``LeakyRelu``, ``HardSigmoid``, ...) (the JIT
-  tracer records ``relu_`` as ``relu`` plus ``copy_``, see csrc/family.cpp).
+  tracer records ``relu_`` as ``relu`` plus ``copy_``, see csrc/activations/family.cpp).
 - ``torch.export``-based ONNX export (``dynamo=True``) and anything else that
   decomposes with ``torch._decomp.decomposition_table``: ``relu`` decomposes
   to ``aten.relu``, which exporters know. (Exported programs hold no
-  ``relu_``: functionalization turns it into ``relu``, see csrc/family.cpp.)
+  ``relu_``: functionalization turns it into ``relu``, see csrc/activations/family.cpp.)
 - :func:`aten_decompositions`: a table for ``ExportedProgram.run_decompositions``
   that lowers relu_ext's ops to aten, so a saved program loads without relu_ext.
 """

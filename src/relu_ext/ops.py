@@ -1,6 +1,6 @@
 """The drop-in API: ``relu``, ``ReLU``, ``convert``, ``revert``.
 
-The native ops (generated for every activation of the table in csrc/family.cpp) are:
+The native ops (generated for every activation of the table in csrc/activations/family.cpp) are:
 
 - ``relu(x) -> y`` and ``relu_(x)``: the public ops. Differentiable (forward
   and reverse mode); when a gradient is needed they write a mask, else not.

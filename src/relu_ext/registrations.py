@@ -56,7 +56,7 @@ def _binary_expand_fake(mask: Tensor, value: Tensor, size: list[int], stride: li
 def _bn_terms_fake(weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, training: bool, eps: float,
                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     opmath = torch.float64 if dtype == torch.float64 else torch.float32
-    shape = (2, *mean.shape) if mean.device.type == "cuda" else mean.shape  # (CUDA's terms: 2 rows; ops.cpp)
+    shape = (2, *mean.shape) if mean.device.type == "cuda" else mean.shape  # (CUDA's terms: 2 rows; csrc/compact/ops.cpp)
     return mean.new_empty(shape, dtype=opmath), mean.new_empty(shape, dtype=opmath)
 
 
@@ -158,5 +158,5 @@ def _register_activation(name: str) -> None:
     torch.library.register_vmap(f"{op}_bwd")(bwd_vmap)
 
 
-for _name in _C.install_targets():  # the table's names, declared once (csrc/activations.h)
+for _name in _C.install_targets():  # the table's names, declared once (csrc/activations/activations.h)
     _register_activation(_name)
