@@ -31,8 +31,6 @@ def _check_version(t: Tensor, version: int, why: str) -> None:
         )
 
 
-
-
 class _Shared:
     """A saved tensor kept in another form, rebuilt for backward (``rebuild``).
 
@@ -121,7 +119,6 @@ class _Dense:
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
         return (self.tensor,)
-
 
 
 class Replayed(_Shared):
@@ -246,7 +243,6 @@ class Concatenated(_Shared):
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting; the pieces are shared along a chain)."""
         return self.pieces
-
 
 
 # Integer types a saved integer tensor may be kept in, narrowest first.

@@ -303,8 +303,9 @@ class _Packer:
         self.ints.clear()
         self.chains.clear()
 
+
 def _why_kept(t: Tensor, recompute: bool) -> str | None:
-    """Why `t` is saved as it is (a key of ``_REASONS``), or None when it is a plain
+    """Why `t` is saved as it is (a key of ``stats._REASONS``), or None when it is a plain
     dense floating-point output of ReLU or the family worth keeping smaller: mostly
     zeros (compaction), or, with `recompute`, after a BatchNorm (a recipe). Cheapest
     checks first: the pack hook asks for every tensor."""
