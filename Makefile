@@ -20,7 +20,7 @@ DEPS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) transformers
 	ninja numpy pytest hypothesis expecttest matplotlib onnx onnxruntime onnxscript
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
-SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*/*) $(wildcard src/relu_ext/*.py src/relu_ext/bench/*.py)
+SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*/*) $(wildcard src/relu_ext/*.py src/relu_ext/compact/*.py src/relu_ext/bench/*.py)
 
 .PHONY: test test-cpu-only test-sanitize test-torch-old test-package bench bench-results build deps clean distclean uninstall
 

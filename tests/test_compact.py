@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import relu_ext
 from relu_ext import _C, compact
+from relu_ext.compact import forms, hooks
 from conftest import DEVICES, adversarial, assert_bitwise_equal, assert_same_step, train_step
 
 
@@ -179,13 +180,13 @@ def test_layouts_come_back(relu):
 
 def _count_compactions(monkeypatch) -> list[Any]:
     made: list[Any] = []
-    real = compact._compacted
+    real = hooks._compacted
 
     def counting(t: torch.Tensor, min_saving: float) -> Any:
         made.append(real(t, min_saving))
         return made[-1]
 
-    monkeypatch.setattr(compact, "_compacted", counting)
+    monkeypatch.setattr(hooks, "_compacted", counting)
     return made
 
 
@@ -200,7 +201,7 @@ def test_compacted_once_when_saved_by_several_nodes(relu, monkeypatch):
         z = conv(y) + conv(y)  # and twice more
     assert len(made) == 1 and isinstance(made[0], compact.Compacted)
     expands = []
-    real_ops = compact._ops
+    real_ops = forms._ops
 
     class CountingOps:
         compact, nonzero_mask = real_ops.compact, real_ops.nonzero_mask
@@ -210,7 +211,7 @@ def test_compacted_once_when_saved_by_several_nodes(relu, monkeypatch):
             expands.append(args)
             return real_ops.expand(*args)
 
-    monkeypatch.setattr(compact, "_ops", CountingOps)
+    monkeypatch.setattr(forms, "_ops", CountingOps)
     grads = torch.autograd.grad(z.sum(), [x, conv.weight])
     # Expanded once for all its nodes, and not kept once the last has unpacked it.
     assert len(expands) == 1 and made[0].restored is None and made[0].pending == 0

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import relu_ext
 from relu_ext import compact
+from relu_ext.compact import forms
 from conftest import INT_OF, assert_bitwise_equal, assert_same_step, train_step
 
 _ops = torch.ops.relu_ext
@@ -645,7 +646,7 @@ def test_max_pool_recipe_is_verified_at_the_indices_only(second, monkeypatch):
                 return op
             return lambda x, *args: sizes.append(tuple(x.shape)) or op(x, *args)
 
-    monkeypatch.setattr(compact, "_ops", Spy())
+    monkeypatch.setattr(forms, "_ops", Spy())
     sc = relu_ext.save_compact()
     with sc:
         model(x)
@@ -920,8 +921,8 @@ def test_real_densenet_keeps_concatenations_in_pieces():
     # 58 concatenations (6 + 12 + 24 + 16 layers, and three transitions) follow the first of a block;
     # at 64 x 64 the last block's (2 x 2) are too small to bother with.
     assert on.concatenated >= 30 and on.replay_misses == 0, on.report()
-    assert on._stats.concatenated_held < on._stats.concatenated_bytes / 4, on.report()
-    assert on.bytes_held < off.bytes_held - on._stats.concatenated_bytes / 2, (on.report(), off.report())
+    assert on._stats.held["concatenated"] < on._stats.nbytes["concatenated"] / 4, on.report()
+    assert on.bytes_held < off.bytes_held - on._stats.nbytes["concatenated"] / 2, (on.report(), off.report())
 
 
 class _PassThrough(torch.autograd.Function):

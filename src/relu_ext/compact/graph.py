@@ -1,0 +1,196 @@
+"""Reading the autograd graph for ``save_compact()``: every read of PyTorch's private autograd attributes.
+
+Nodes keep what they saved as ``_saved_<name>`` (a value) and ``_raw_saved_<name>`` (the
+``SavedTensor``, with what a pack hook returned as ``data`` and its ``unpack_hook``); these and
+node names are not public API, so they are read here only, each function saying which torch
+versions it was checked on (those the tests run on). ``next_functions`` and ``metadata`` are
+public, but walking the graph with them is read here too, so that one module follows the graph's
+shape.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+_RELU_NODES = frozenset({"ReluBackward0", "ReluExtBackward0"})
+# BatchNorm nodes whose output the replay rebuilds: PyTorch's kernels (CPU, CUDA), and cuDNN's,
+# which the CUDA replay matches where its verification says so.
+_BN_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
+# Nodes whose outputs are kept as recipes of what other nodes keep (see _made_by).
+_CAT, _MAX_POOL = "CatBackward0", "MaxPool2DWithIndicesBackward0"
+
+
+def _family_nodes() -> dict[str, tuple[Any, bool]]:
+    """Node name -> (its activation, whether it is relu_ext's), from the activation table."""
+    from ..activations import ACTIVATIONS
+
+    nodes: dict[str, tuple[Any, bool]] = {}
+    for act in ACTIVATIONS:
+        nodes[act.node] = (act, True)
+        nodes[act.torch_node] = (act, False)
+    return nodes
+
+
+_FAMILY_NODES = _family_nodes()
+
+
+def _activation_args(fn: Any, act: Any, ours: bool) -> tuple[Any, ...]:
+    """The arguments node `fn` of activation `act` kept: relu_ext's nodes keep them all
+    (``_saved_args``), PyTorch's some (``_saved_<param>``; one not kept is None).
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    return fn._saved_args if ours else tuple(getattr(fn, f"_saved_{p}", None) for p in act.params)
+
+
+def _mostly_zeros(fn: Any) -> bool:
+    """Whether outputs of `fn`'s op are mostly zeros: ReLU, and the family where
+    its arguments say so (relu6 / hardtanh with min_val 0, threshold with value
+    0, hardsigmoid). PyTorch's nodes keep some arguments (``_saved_min_val``),
+    relu_ext's keep them all (``_saved_args``); an argument not kept counts as no.
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    name = fn.name()
+    if name in _RELU_NODES:
+        return True
+    hit = _FAMILY_NODES.get(name)
+    if hit is None:
+        return False
+    act, ours = hit
+    return bool(act.zeros(_activation_args(fn, act, ours)))
+
+
+def _activation_of(fn: Any) -> tuple[str, list[float]] | None:
+    """The op and Scalar arguments of the activation whose node is `fn`, as the
+    replay takes them, or None (another node, or PyTorch's ThresholdBackward0,
+    which does not keep ``value``). Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    name = fn.name()
+    if name in _RELU_NODES:
+        return "relu", []
+    hit = _FAMILY_NODES.get(name)
+    if hit is None:
+        return None
+    act, ours = hit
+    args = _activation_args(fn, act, ours)[: len(act.params)]
+    if any(a is None for a in args):
+        return None
+    return act.name, [float(a) for a in args]
+
+
+def _after_batchnorm(fn: Any) -> bool:
+    """Whether `fn` is an activation node whose input is a BatchNorm output the replay takes, or
+    a residual add (``AddBackward0``, alpha 1) of one and another tensor (see ``_replayed``).
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    if fn.name() not in _RELU_NODES and fn.name() not in _FAMILY_NODES:
+        return False
+    prev = fn.next_functions[0][0] if fn.next_functions else None
+    if prev is None:
+        return False
+    if prev.name() in _BN_NODES:
+        return True
+    return prev.name() == "AddBackward0" and any(f is not None and f.name() in _BN_NODES for f, _ in prev.next_functions)
+
+
+def _is_batchnorm(fn: Any) -> bool:
+    """Whether `fn` is a BatchNorm node the replay takes. Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    return fn.name() in _BN_NODES
+
+
+def _batchnorm_inputs(fn: Any) -> tuple[Any, tuple[Any, int] | None] | None:
+    """For activation node `fn` after a BatchNorm (see _after_batchnorm): the BatchNorm's node, and
+    after a residual add, the add's other input as (node, output_nr); None where the add scales
+    (alpha other than 1) or its other input has no node. Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    prev = fn.next_functions[0][0]
+    if prev.name() in _BN_NODES:
+        return prev, None
+    if prev._saved_alpha != 1:
+        return None
+    (a, a_nr), (b, b_nr) = prev.next_functions
+    if a is None or a.name() not in _BN_NODES:
+        (a, a_nr), (b, b_nr) = (b, b_nr), (a, a_nr)  # (the sum is symmetric)
+    if b is None:
+        return None
+    return a, (b, b_nr)
+
+
+def _made_by(t: Tensor) -> str | None:
+    """The name of the node that made `t` (``_CAT``, ``_MAX_POOL``, ...), or None for a tensor no
+    node made. Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    fn = t.grad_fn
+    return None if fn is None else fn.name()
+
+
+def _cat_dim(t: Tensor) -> int:
+    """The dimension `t`, a ``torch.cat`` output, was concatenated along.
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    dim = t.grad_fn._saved_dim
+    return (dim - 2**64 if dim >= 2**63 else dim) % t.dim()  # (kept as an unsigned integer)
+
+
+def _inputs(t: Tensor) -> tuple[tuple[Any, int], ...]:
+    """The (node, output_nr) pairs of what made `t`'s inputs (a concatenation's pieces'), compared
+    by identity. Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    return t.grad_fn.next_functions
+
+
+def _relu_ext_mask(t: Tensor) -> Tensor | None:
+    """The mask relu_ext's ReLU node saved for `t`, its output; None where another node made `t`.
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    fn = t.grad_fn
+    return fn._saved_mask if fn.name() == "ReluExtBackward0" else None
+
+
+class _Saved(NamedTuple):
+    """What a node saved, not unpacked: a tensor (no hooks), or what a pack hook returned, and that hook's unpack."""
+
+    data: Any
+    unpack_hook: Any
+
+
+def _raw_saved(fn: Any, name: str) -> _Saved:
+    """What node `fn` saved as `name` (``input``, ``weight``, ``result1``, ... of a BatchNorm node;
+    ``self`` and ``result1`` of a max-pool's), without unpacking it: so no hook runs and nothing is
+    copied. Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    saved = getattr(fn, f"_raw_saved_{name}")
+    return _Saved(saved.data, saved.unpack_hook)
+
+
+def _bn_training(bn: Any) -> bool:
+    """Whether BatchNorm node `bn` normalized with its batch's statistics.
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    return bool(bn._saved_training)
+
+
+def _bn_eps(bn: Any) -> float:
+    """BatchNorm node `bn`'s eps (PyTorch's kernels keep ``eps``, cuDNN's ``epsilon``).
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    return float(bn._saved_eps if bn.name() == "NativeBatchNormBackward0" else bn._saved_epsilon)
+
+
+def _bn_bias(bn: Any) -> tuple[Tensor | None, bool]:
+    """BatchNorm node `bn`'s bias, read from the graph: the parameter (an AccumulateGrad's), or
+    None (no bias, or a frozen one, which verification checks); and False where the bias is
+    computed in the graph (FSDP's views of its flat parameter), which no node keeps.
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    bias_fn = bn.next_functions[2][0] if len(bn.next_functions) > 2 else None
+    bias = getattr(bias_fn, "variable", None)
+    return bias, bias_fn is None or bias is not None
+
+
+# Node metadata key: output_nr -> a weak reference to what this context saved
+# for that output of the node (a _Dense or _Shared): a residual add's other
+# input (_kept_output). (Not the tensor: its Python object may be gone.)
+_KEPT = "relu_ext.save_compact.kept"
+
+
+def _note_kept(t: Tensor, packed: Any) -> None:
+    """Note on `t`'s node what this context saved for `t` (see _kept).
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    t.grad_fn.metadata.setdefault(_KEPT, {})[t.output_nr] = weakref.ref(packed)
+
+
+def _kept(fn: Any, output_nr: int) -> Any:
+    """What _note_kept noted for output `output_nr` of node `fn`, while it lives; else None.
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    ref = fn.metadata.get(_KEPT, {}).get(output_nr)
+    return None if ref is None else ref()

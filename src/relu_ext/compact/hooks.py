@@ -1,0 +1,387 @@
+"""``save_compact``: the saved-tensor hooks, and the pack hook that decides each saved tensor's form (``_Packer``)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .bits import _is_dense
+from .forms import Concatenated, Narrowed, TwoValued, _Dense, _ViewOf
+from .graph import _CAT, _MAX_POOL, _after_batchnorm, _cat_dim, _made_by, _mostly_zeros, _note_kept
+from .recipes import _compacted, _concatenation, _pooled, _replayed
+from .stats import _Stats
+
+_MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
+
+
+class save_compact(torch.autograd.graph.saved_tensors_hooks):
+    """Keep activation outputs saved for backward small: rebuilt from their BatchNorm, or compacted; bit for bit.
+
+    Saved-tensor hooks, like :class:`torch.autograd.graph.save_on_cpu`: put it
+    around the forward pass of a training step. An output of ReLU or the family
+    (PyTorch's or relu_ext's) that some node saves is kept once, however many
+    nodes save it: *replayed* where its input is a BatchNorm output (CPU or
+    CUDA): a reference to the BatchNorm's input, which its node keeps anyway,
+    and a few numbers per channel, verified bit for bit when saved and rebuilt
+    in backward; else *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with
+    ``min_val=0``, Threshold with ``value=0``, Hardsigmoid): nonzero values
+    plus a bitmap. A concatenation that begins with the previous one kept
+    (DenseNet's) is kept as its pieces plus what it adds (*concatenated*,
+    with recompute), a max-pool output as the pool's input at its indices
+    (*pooled*, with recompute), an integer tensor only the graph holds (max-pool
+    indices) in the narrowest type that holds it (*narrowed*, at the exit), and
+    one of +0 and one other value that no node made (dropout's noise, a bool
+    tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives
+    backward the values it had then or PyTorch's in-place error, never new data.
+
+    ``with`` gives the context, which counts what its hooks did (over all its
+    blocks; each distinct tensor once): ``replayed``, ``replay_misses`` (recipes
+    that failed their check; then compacted or kept), ``compacted``,
+    ``concatenated``, ``pooled``, ``narrowed``, ``two_valued``, ``kept``
+    and ``kept_by_reason`` (``not_activation``, ``not_replayed``, ``too_small``
+    (under 4096 elements), ``too_few_zeros``, ``unsupported``),
+    ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
+    ``bytes_held`` (what it holds with them; a relu_ext mask or a BatchNorm
+    input held anyway is not counted), ``report()`` in words and ``repr()``.
+    Details: docs/save_compact.md.
+
+    Args:
+        min_saving (float): compact a tensor only if that saves at least this
+            fraction of its bytes. Default: ``0.1``.
+        recompute (bool): keep activation outputs after a BatchNorm as
+            recipes, concatenations in pieces, max-pool outputs as their
+            input at their indices. Default: ``True``.
+
+    Example::
+
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        >>> with relu_ext.save_compact() as sc:
+        ...     loss = model(torch.randn(64, 256)).sum()
+        >>> loss.backward()
+        >>> sc.compacted, sc.kept, sc.kept_by_reason["not_activation"]
+        (1, 2, 2)
+        >>> print(sc.report())
+        relu_ext.save_compact: 3 tensors saved for backward, 138.00 KiB, held in 107.93 KiB (78.2%)
+          compacted: 1 tensor, 64.00 KiB held in 33.93 KiB
+          kept as they are: 2 tensors, 74.00 KiB: 2 not an activation output
+
+    (The ReLU's output, saved by its node and by the second Linear, is
+    compacted once; the input and the second Linear's weight are kept.)
+    """
+
+    def __init__(self, min_saving: float = 0.1, recompute: bool = True) -> None:
+        if not 0.0 <= min_saving < 1.0:
+            raise ValueError(f"relu_ext.save_compact: min_saving must be in [0, 1), got {min_saving}")
+        self.min_saving = min_saving
+        self.recompute = bool(recompute)
+        self._stats = _Stats()
+        self._packer = _Packer(min_saving, self.recompute, self._stats)
+        super().__init__(self._packer.pack, self._packer.unpack)
+
+    def __enter__(self) -> save_compact:
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        super().__exit__(*args)
+        self._packer.exit()
+
+    @property
+    def compacted(self) -> int:
+        """Distinct tensors saved for backward that were kept compacted."""
+        return self._stats.count["compacted"]
+
+    @property
+    def replayed(self) -> int:
+        """Distinct tensors saved for backward that were kept as recipes (rebuilt from their BatchNorm)."""
+        return self._stats.count["replayed"]
+
+    @property
+    def replay_misses(self) -> int:
+        """Recipes that failed their bit-for-bit check when saved (those tensors were compacted or kept)."""
+        return self._stats.replay_misses
+
+    @property
+    def concatenated(self) -> int:
+        """Distinct concatenations saved for backward (DenseNet's) kept as pieces shared with the one before."""
+        return self._stats.count["concatenated"]
+
+    @property
+    def pooled(self) -> int:
+        """Distinct max-pool outputs saved for backward kept as recipes (the pool's input at its indices)."""
+        return self._stats.count["pooled"]
+
+    @property
+    def narrowed(self) -> int:
+        """Distinct integer tensors saved for backward (max-pool indices, ...) kept in a narrower integer type."""
+        return self._stats.count["narrowed"]
+
+    @property
+    def two_valued(self) -> int:
+        """Distinct floating-point tensors saved for backward that no node made, of +0 and one other value
+        (CPU dropout's noise), kept as a bitmap and that value."""
+        return self._stats.count["two_valued"]
+
+    @property
+    def kept(self) -> int:
+        """Distinct tensors saved for backward as they are (``kept_by_reason`` says why)."""
+        return self._stats.kept
+
+    @property
+    def kept_by_reason(self) -> dict[str, int]:
+        """``kept`` by reason: ``not_activation``, ``unsupported``, ``too_small``, ``too_few_zeros``."""
+        return dict(self._stats.kept_by_reason)
+
+    @property
+    def bytes_saved_for_backward(self) -> int:
+        """Bytes of the distinct tensors saved for backward: what the graph would hold without the hooks."""
+        return sum(self._stats.nbytes.values())
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes the graph holds for them: tensors kept as they are, the compacted ones' values and bitmaps,
+        the recipes' per-channel terms, the concatenations' own pieces, the narrowed integer tensors, the
+        two-valued tensors' bitmaps."""
+        return sum(self._stats.held.values())
+
+    def report(self) -> str:
+        """What the hooks did, in words (see the class documentation)."""
+        return self._stats.report()
+
+    def __repr__(self) -> str:
+        fields = {**self._stats.counts(), "bytes_saved_for_backward": self.bytes_saved_for_backward,
+                  "bytes_held": self.bytes_held}
+        return (f"<relu_ext.save_compact min_saving={self.min_saving} recompute={self.recompute} "
+                + " ".join(f"{name}={value}" for name, value in fields.items()) + ">")
+
+
+def _unpack_hook() -> Callable[[Any], Tensor]:
+    """An unpack hook of a context's own: the graph holds it and recipes tell this context's saved forms
+    by it (``SavedTensor.unpack_hook is``), so each context has one, and it holds nothing (not the
+    packer's state, which the graph would then keep alive)."""
+
+    def unpack(packed: Any) -> Tensor:
+        return packed.restore()
+
+    return unpack
+
+
+class _Packer:
+    """A save_compact's pack hook (``pack``), its unpack hook (``unpack``), and what the pack hook keeps
+    between calls; ``exit()`` when the context exits."""
+
+    def __init__(self, min_saving: float, recompute: bool, stats: _Stats) -> None:
+        self.min_saving, self.recompute, self.stats = min_saving, recompute, stats
+        self.unpack = _unpack_hook()
+        # Saved by several nodes (a ReLU output and the conv after it), a tensor
+        # is compacted once. Keyed by the tensor itself, weakly: data pointers
+        # are reused as soon as memory is freed. None: saved as it is.
+        self.cache: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        # The tensors saved as they are, counted once each: id -> weak reference,
+        # cheaper than a WeakTensorKeyDictionary for the many tensors the hook
+        # only counts (and than reading their versions: a tensor saved as it is
+        # holds its storage once, whatever it went through). Entries of dead
+        # tensors are pruned as it grows.
+        self.seen: dict[int, weakref.ref] = {}
+        self.prune_at = 1024
+        # Integer tensors to narrow when the context exits (settle()): id -> its Narrowed,
+        # which holds the tensor until then (so the id stays its own).
+        self.ints: dict[int, Narrowed] = {}
+        # The last concatenation kept in pieces, by its dimension and its other sizes (_concatenation).
+        self.chains: dict[tuple[Any, ...], weakref.ref] = {}
+
+    def pack(self, t: Tensor) -> Any:
+        """The pack hook: `t` in the form it is kept in until backward unpacks it."""
+        base = t._base
+        if base is not None and _alias(t, base):
+            t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
+        elif base is not None and _whole_view(t, base) and _why_kept(base, self.recompute) is None:
+            # (A Linear on a 3-D activation output keeps a 2-D view of it: kept as the output.)
+            packed = self._pack(base)
+            return _Dense(t) if isinstance(packed, _Dense) else _ViewOf(packed, t, base)
+        return self._pack(t)
+
+    def _pack(self, t: Tensor) -> Any:
+        """`t`, no view standing for its base, in its form: each form made once per tensor and version."""
+        why = _why_kept(t, self.recompute)
+        recipe = _rebuildable(t) if self.recompute and why == "not_activation" else None
+        if why == "not_activation" and _narrowable(t):
+            return self._narrowed(t)
+        if why == "not_activation" and _two_valued_candidate(t):
+            packed = self._two_valued(t)
+            if packed is not None:
+                return packed
+        if why is not None and recipe is None:
+            self._count_kept(t, why)
+            dense = _Dense(t)
+            if self.recompute and t.grad_fn is not None and why == "not_activation":
+                _note_kept(t, dense)
+            return dense
+        hit = self.cache.get(t)
+        if hit is None or hit[0] != t._version:
+            packed = self._form(t, recipe)
+            hit = self.cache[t] = (t._version, packed)  # counted again when changed in place: a second form is held
+        if hit[1] is None:
+            dense = _Dense(t)
+            if self.recompute:
+                _note_kept(t, dense)
+            return dense
+        hit[1].pending += 1
+        return hit[1]
+
+    def _narrowed(self, t: Tensor) -> Narrowed:
+        """Integer `t` as a Narrowed, one per tensor and version: narrowed, or not, when the context exits."""
+        packed = self.ints.get(id(t))
+        if packed is None or packed.version != t._version:
+            packed = self.ints[id(t)] = Narrowed(t)
+            self.stats.keep("not_activation", t)  # (until settled)
+        packed.pending += 1
+        return packed
+
+    def _two_valued(self, t: Tensor) -> TwoValued | None:
+        """`t` as a TwoValued, made once per tensor and version; None where it has more than two values."""
+        hit = self.cache.get(t)
+        if hit is None or hit[0] != t._version:
+            with torch.no_grad():
+                packed = TwoValued.of(t)
+            hit = self.cache[t] = (t._version, packed)
+            if packed is not None:
+                self.stats.add(packed.kind, t.nbytes, packed.nbytes)
+        if hit[1] is not None:
+            hit[1].pending += 1
+        return hit[1]
+
+    def _count_kept(self, t: Tensor, why: str) -> None:
+        """Count `t`, saved as it is for `why`, once however many nodes save it."""
+        key = id(t)
+        ref = self.seen.get(key)
+        if ref is None or ref() is not t:
+            self.seen[key] = weakref.ref(t)
+            self.stats.keep(why, t)
+            if len(self.seen) > self.prune_at:
+                for dead in [k for k, r in self.seen.items() if r() is None]:
+                    del self.seen[dead]
+                self.prune_at = 2 * len(self.seen) + 1024
+
+    def _form(self, t: Tensor, recipe: str | None) -> Any:
+        """`t`, an activation output (or with `recipe`, the node it is a recipe of), in the smallest verified
+        form: a recipe, else compacted where mostly zeros; None: saved as it is. Counted."""
+        fn, packed, missed = t.grad_fn, None, False
+        zeros = _mostly_zeros(fn)
+        with torch.no_grad():
+            if recipe == _CAT:
+                packed = _concatenation(t, _cat_dim(t), self.chains)
+            elif recipe is not None:
+                packed = _pooled(t, self.unpack)
+            elif self.recompute and _after_batchnorm(fn):
+                packed, missed = _replayed(t, self.unpack)
+            if packed is None and zeros:
+                packed = _compacted(t, self.min_saving)
+        if self.recompute and packed is not None:
+            _note_kept(t, packed)
+        self.stats.replay_misses += missed
+        if isinstance(packed, Concatenated) and len(packed.pieces) == 1:
+            self.stats.keep("not_activation", t)  # (the first of a chain: as it is)
+        elif packed is not None:
+            self.stats.add(packed.kind, t.nbytes, packed.nbytes)
+        else:
+            self.stats.keep("not_activation" if recipe else "too_few_zeros" if zeros else "not_replayed", t)
+        return packed
+
+    def exit(self) -> None:
+        """When the context exits: narrow the integer tensors only the graph holds now, forget the chains."""
+        with torch.no_grad():
+            for packed in self.ints.values():
+                if packed.settle():
+                    full = packed.narrow.numel() * packed.dtype.itemsize
+                    self.stats.moved("not_activation", packed.kind, full, packed.nbytes)
+        self.ints.clear()
+        self.chains.clear()
+
+
+def _why_kept(t: Tensor, recompute: bool) -> str | None:
+    """Why `t` is saved as it is (a key of ``stats._REASONS``), or None when it is a plain
+    dense floating-point output of ReLU or the family worth keeping smaller: mostly
+    zeros (compaction), or, with `recompute`, after a BatchNorm (a recipe). Cheapest
+    checks first: the pack hook asks for every tensor."""
+    fn = t.grad_fn
+    if fn is None or not (_mostly_zeros(fn) or (recompute and _after_batchnorm(fn))):
+        return "not_activation"
+    if (
+        type(t) is not torch.Tensor
+        or not t.is_floating_point()
+        or t.layout != torch.strided
+        or t.device.type not in ("cpu", "cuda")
+    ):
+        return "unsupported"
+    if t.numel() < _MIN_NUMEL:
+        return "too_small"
+    if not _is_dense(t):
+        return "unsupported"
+    return None
+
+
+def _stands_for(t: Tensor, base: Tensor) -> bool:
+    """What a view needs to stand for its base: the same type, dtype and first element, and the same
+    values for the same bits (not a negated or conjugated view, torch._neg_view or conj())."""
+    return (type(t) is type(base) and t.dtype == base.dtype and t.storage_offset() == base.storage_offset()
+            and t.is_neg() == base.is_neg() and t.is_conj() == base.is_conj())
+
+
+def _alias(t: Tensor, base: Tensor) -> bool:
+    """Whether view `t` has every element of its `base` where the base has it: the same bits, always,
+    and the same version counter; saved as the base (a recipe or compaction of the base is one of it)."""
+    return _stands_for(t, base) and t.shape == base.shape and t.stride() == base.stride()
+
+
+def _whole_view(t: Tensor, base: Tensor) -> bool:
+    """Whether view `t` has every element of its dense `base`, in another shape or order: the same
+    block of memory (offset and size), both dense. It holds the base's bits, always, and shares its
+    version counter; saved as the base's form and made again from it (_ViewOf)."""
+    return _stands_for(t, base) and t.numel() == base.numel() and _is_dense(t) and _is_dense(base)
+
+
+def _plain_dense(t: Tensor) -> bool:
+    """Whether `t` is a plain strided tensor (no subclass) on the CPU or CUDA, of at least 4096
+    elements, that fills a block of memory exactly once: what narrowing and bitmaps take."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+            and t.numel() >= _MIN_NUMEL and _is_dense(t))
+
+
+def _narrowable(t: Tensor) -> bool:
+    """Whether `t` is an integer tensor that may be kept narrower (see Narrowed)."""
+    return (
+        t.dtype in (torch.int64, torch.int32, torch.int16)
+        and not t._is_view()  # (its base's storage may be held elsewhere)
+        and _plain_dense(t)
+    )
+
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _two_valued_candidate(t: Tensor) -> bool:
+    """Whether `t` may be kept as a bitmap (see TwoValued): a plain dense tensor of at least 4096
+    elements that no node made (an activation output is not), floating-point on the CPU (the
+    kernels of binary_mask) or bool on the CPU or CUDA."""
+    return (
+        t.grad_fn is None
+        and not t.requires_grad
+        and ((t.dtype in _FLOATS and t.device.type == "cpu") or t.dtype == torch.bool)
+        and _plain_dense(t)
+    )
+
+
+def _rebuildable(t: Tensor) -> str | None:
+    """The node name of a tensor kept as a recipe of what other nodes keep where its node is
+    ``torch.cat``'s or ``max_pool2d``'s: a plain dense floating-point tensor on the CPU or CUDA
+    (where its verification costs one host sync, as a compaction's size does); else None."""
+    name = _made_by(t)
+    if name not in (_CAT, _MAX_POOL) or not t.is_floating_point():
+        return None
+    return name if _plain_dense(t) else None

@@ -1,0 +1,107 @@
+"""What ``save_compact()``'s pack hook did: tensors and bytes by the form they were kept in, and report()'s words."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import Tensor
+
+# Why a tensor was saved as it is: save_compact.kept_by_reason's keys, and the words report() uses.
+_REASONS = {
+    "not_activation": "not an activation output",
+    "not_replayed": "not rebuilt from its BatchNorm (and not mostly zeros)",
+    "unsupported": "unsupported type",
+    "too_small": "too small",
+    "too_few_zeros": "too few zeros",
+}
+
+# The forms a tensor may be kept in other than as it is (each form's ``kind``), in report()'s
+# and repr's order: report()'s label, what it counts, and how the form holds it.
+_KINDS = {
+    "replayed": ("replayed", "tensor", " (rebuilt from their BatchNorm's input)"),
+    "compacted": ("compacted", "tensor", ""),
+    "concatenated": ("concatenations", "tensor", " (each the one before it, shared, and what it adds)"),
+    "pooled": ("max-pool outputs", "tensor", " (gathered from the pool's input at its indices)"),
+    "narrowed": ("narrowed", "integer tensor", " (max-pool indices and the like, in a narrower integer type)"),
+    "two_valued": ("two-valued", "tensor",
+                   " (zeros and one other value, such as dropout's noise or mask, as a bitmap)"),
+}
+_AS_IT_IS = "kept"  # the kind of the tensors saved as they are
+
+
+class _Stats:
+    """What a save_compact's pack hook did: its _Packer counts here, the context reads it.
+
+    By kind (a key of ``_KINDS``, or ``"kept"``): ``count`` distinct tensors (those kept as they
+    are: ``kept_by_reason``), ``nbytes`` their bytes, ``held`` the bytes their forms hold."""
+
+    __slots__ = ("count", "nbytes", "held", "replay_misses", "kept_by_reason")
+
+    def __init__(self) -> None:
+        self.count: Counter[str] = Counter()
+        self.nbytes: Counter[str] = Counter()
+        self.held: Counter[str] = Counter()
+        self.replay_misses = 0
+        self.kept_by_reason = dict.fromkeys(_REASONS, 0)
+
+    def add(self, kind: str, nbytes: int, held: int) -> None:
+        """Count a tensor of `nbytes` bytes, kept as `kind` in `held` bytes."""
+        self.count[kind] += 1
+        self.nbytes[kind] += nbytes
+        self.held[kind] += held
+
+    def keep(self, reason: str, t: Tensor) -> None:
+        """Count `t`, saved as it is for `reason`."""
+        self.kept_by_reason[reason] += 1
+        self.nbytes[_AS_IT_IS] += t.nbytes
+        self.held[_AS_IT_IS] += t.nbytes
+
+    def moved(self, reason: str, kind: str, nbytes: int, held: int) -> None:
+        """Move a tensor of `nbytes` bytes, counted as saved as it is for `reason`, to `kind`, held in `held` bytes."""
+        self.kept_by_reason[reason] -= 1
+        self.nbytes[_AS_IT_IS] -= nbytes
+        self.held[_AS_IT_IS] -= nbytes
+        self.add(kind, nbytes, held)
+
+    @property
+    def kept(self) -> int:
+        """Distinct tensors saved as they are."""
+        return sum(self.kept_by_reason.values())
+
+    def counts(self) -> dict[str, int]:
+        """Distinct tensors by kind, in report()'s order, those kept as they are last."""
+        return {**{kind: self.count[kind] for kind in _KINDS}, _AS_IT_IS: self.kept}
+
+    def report(self) -> str:
+        """What the hooks did, in words (see save_compact's documentation)."""
+        total, held = sum(self.nbytes.values()), sum(self.held.values())
+        n = sum(self.counts().values())
+        share = f" ({100 * held / total:.1f}%)" if total else ""
+        lines = [f"relu_ext.save_compact: {_tensors(n, 'tensor')} saved for backward, {_size(total)}, "
+                 f"held in {_size(held)}{share}"]
+        for kind, (label, noun, how) in _KINDS.items():
+            k, misses = self.count[kind], self.replay_misses if kind == "replayed" else 0
+            if k or misses or kind == "compacted":  # (compacted: always said)
+                line = (f"  {label}: {_tensors(k, noun)}, {_size(self.nbytes[kind])} held in "
+                        f"{_size(self.held[kind])}{how}")
+                if kind == "replayed":
+                    line += f"; {misses} verification miss{'es' * (misses != 1)}"
+                lines.append(line)
+        why = ", ".join(f"{k} {_REASONS[r]}" for r, k in self.kept_by_reason.items() if k)
+        lines.append(f"  kept as they are: {_tensors(self.kept, 'tensor')}, {_size(self.nbytes[_AS_IT_IS])}"
+                     + (f": {why}" if why else ""))
+        return "\n".join(lines)
+
+
+def _tensors(n: int, noun: str) -> str:
+    """`n` `noun`s, in words ("1 tensor", "2 tensors")."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def _size(n: int) -> str:
+    """`n` bytes in words, in the largest unit under 1024 of it (GiB at most)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
