@@ -16,8 +16,8 @@ under ``no_grad`` after the ReLU is no ReLU output any more): where it is
 not, the tensor gets a bitmap of its nonzero bits instead, which is exact for
 any data. Values are moved as integers of their width, so NaN payloads, -0.0
 and denormals come back unchanged. The work is done by the ops
-``relu_ext::compact`` / ``expand`` / ``nonzero_mask`` (csrc/compact_cpu.cpp on
-the CPU, csrc/relu_cuda_kernels.cuh on CUDA).
+``relu_ext::compact`` / ``expand`` / ``nonzero_mask`` (csrc/compact/compact_cpu.cpp on
+the CPU, csrc/compact/kernels.cuh on CUDA).
 
 Recompute (on by default): an activation output whose input is a BatchNorm
 output (``NativeBatchNormBackward0``, or cuDNN's ``CudnnBatchNormBackward0``;
@@ -25,7 +25,7 @@ training or eval) is kept as a recipe instead: a reference to the
 BatchNorm's input, which its node keeps anyway, and a few numbers per
 channel, from which it is rebuilt in backward exactly as PyTorch's kernels on
 that device computed it (``relu_ext::bn_terms`` / ``bn_act_rebuild``:
-csrc/replay_cpu.cpp on the CPU; on CUDA, csrc/relu_cuda_kernels.cuh replays
+csrc/compact/replay_cpu.cpp on the CPU; on CUDA, csrc/compact/kernels.cuh replays
 PyTorch's own CUDA transform, which cuDNN's output may not match). It is
 verified bit for bit against the real tensor when packed (``bn_act_verify``;
 on CUDA one host sync); what misses is compacted or kept as it is. After a
