@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 import relu_ext
 from relu_ext import _C
+from cases import REPRESENTATIVES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, timeout: int = 300) -> str:
@@ -235,14 +236,8 @@ def test_convert_and_revert_take_only_modules(fn, arg):
 # --- inplace as PyTorch takes it -----------------------------------------------------------
 
 # (relu_ext function, torch function, relu_ext module, torch module, positional arguments)
-FAMILY = [
-    (relu_ext.relu, F.relu, relu_ext.ReLU, torch.nn.ReLU, ()),
-    (relu_ext.relu6, F.relu6, relu_ext.ReLU6, torch.nn.ReLU6, ()),
-    (relu_ext.hardtanh, F.hardtanh, relu_ext.Hardtanh, torch.nn.Hardtanh, (-0.5, 0.5)),
-    (relu_ext.leaky_relu, F.leaky_relu, relu_ext.LeakyReLU, torch.nn.LeakyReLU, (0.1,)),
-    (relu_ext.threshold, F.threshold, relu_ext.Threshold, torch.nn.Threshold, (0.1, 20.0)),
-    (relu_ext.hardsigmoid, F.hardsigmoid, relu_ext.Hardsigmoid, torch.nn.Hardsigmoid, ()),
-]
+# One per public function, from the table (tests/cases.py).
+FAMILY = [(getattr(relu_ext, c.name), getattr(F, c.name), c.ours_module, c.module, c.module_args) for c in REPRESENTATIVES]
 INPLACE = ["yes", 1, 0, None, "", True]
 
 
