@@ -1,8 +1,8 @@
 """The tables of activations agree: the C++ trait table (relu_ext._C.install_targets(), from
 csrc/activations.h), the Python table (relu_ext.activations.ACTIVATIONS, which has no row for
 relu), the test table (tests/cases.py), and the lists outside Python that name activations
-(the CUDA emulation harness's checks, bench/gpu_check.sh's sanitizer selection). A row added
-to one and not to the others fails here."""
+(the CUDA emulation harness's checks, bench/gpu_check.sh's sanitizer selection, the benchmark's
+family rows). A row added to one and not to the others fails here."""
 
 from __future__ import annotations
 
@@ -96,3 +96,14 @@ def test_gpu_check_sanitizer_selection_covers_every_op():
             assert case in BY_ID, f"{entry}: no row {case!r} in tests/cases.py"
             covered.add(BY_ID[case].op)
     assert covered == set(OPS), f"the sanitizer runs {sorted(covered)} of {OPS}"
+
+
+def test_benchmark_measures_every_family_op():
+    """relu_ext.bench's family rows (src/relu_ext/bench/peers.py's FAMILY; relu has its own) cover
+    every op of the family, with the op's arity."""
+    from relu_ext.bench.peers import FAMILY
+
+    ops = {name for _, name, _, _, _ in FAMILY}
+    assert ops == set(OPS) - {"relu"}, sorted(ops)
+    for label, name, args, _, _ in FAMILY:
+        assert len(args) == len(PY[name].params), label
