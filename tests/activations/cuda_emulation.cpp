@@ -52,7 +52,7 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#include "../csrc/relu_cuda_kernels.cuh"
+#include "../../csrc/relu_cuda_kernels.cuh"
 
 namespace {
 
