@@ -19,7 +19,7 @@ from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
 import relu_ext
 from cases import (BY_ID, CASE_IDS, CASES, FUNC_CASES, REPRESENTATIVE_IDS, REPRESENTATIVES, assert_family_equal,
                    grad_at_nan, run_case, with_edges)
-from conftest import DEVICES, DTYPES, adversarial, bits, node_names
+from conftest import DEVICES, DTYPES, adversarial, bits, layouts, node_names
 
 ops = torch.ops.relu_ext
 
