@@ -41,7 +41,7 @@ SCRATCH_PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider
 test-cpu-only: $(DEPS_STAMP)
 	$(call scratch_build,cpu-only,RELU_EXT_FORCE_CPU=1)
 	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/cpu-only/src) $(SCRATCH_PYTEST) \
-		tests/test_exact.py tests/test_examples_and_errors.py
+		tests/activations/test_exact.py tests/activations/test_examples_and_errors.py
 
 # The CPU kernels and bindings built with AddressSanitizer and
 # UndefinedBehaviorSanitizer (aborting on the first report), under the whole
@@ -118,7 +118,7 @@ test-package: $(DEPS_STAMP)
 	grep -q 'no-build-isolation' $(PKG)/isolated.log
 	$(PYTHON) -m venv $(PKG)/venv
 	$(PKG_PY) -m pip install -q $(PKG)/relu_ext-*.whl torch==$(TORCH_VERSION) pytest numpy hypothesis
-	cd $(PKG)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider tests/test_exact.py tests/test_packaging.py
+	cd $(PKG)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider tests/activations/test_exact.py tests/tooling/test_packaging.py
 	rm -rf $(PKG)/venv
 
 clean:

@@ -56,35 +56,35 @@
 # bench/results/gpu-<device-slug>-<date>/.
 set -euo pipefail
 
-# The sanitizer's test selection: the one place it is defined (tests/test_gpu_check.py reads it
+# The sanitizer's test selection: the one place it is defined (tests/tooling/test_gpu_check.py reads it
 # through --list-sanitizer-tests and checks that pytest collects every entry). CUDA variants only,
 # a few sizes and dtypes, forward, backward, in place, unaligned, integers, streams and graphs.
 SANITIZER_TESTS=(
-  "tests/test_exact.py::test_forward_backward_bitwise[scalar-33-torch.float32-cuda]"
-  "tests/test_exact.py::test_forward_backward_bitwise[scalar-4097-torch.float16-cuda]"
-  "tests/test_exact.py::test_forward_backward_bitwise[scalar-1000003-torch.bfloat16-cuda]"
-  "tests/test_exact.py::test_forward_backward_bitwise[scalar-1023-torch.float64-cuda]"
-  "tests/test_exact.py::test_inplace_matches_pytorch[scalar-4097-torch.float32-cuda]"
-  "tests/test_exact.py::test_special_values[torch.bfloat16-cuda]"
-  "tests/test_exact.py::test_gradient_select_not_product[torch.float16-cuda]"
-  "tests/test_exact.py::test_integer_dtypes_like_torch[4097-torch.int8-cuda]"
-  "tests/test_exact.py::test_expanded_gradient[cuda]"
-  "tests/test_cuda.py::test_kernels_match_cpu_kernels[unroll4-torch.float32]"
-  "tests/test_cuda.py::test_kernels_match_cpu_kernels[unroll2-torch.bfloat16]"
-  "tests/test_cuda.py::test_side_stream[torch.float32]"
-  "tests/test_cuda.py::test_cuda_graph_replay_ops[torch.float16]"
-  "tests/test_cuda.py::test_cuda_graph_replay_autograd[out_of_place-torch.float32]"
-  "tests/test_compact.py::test_ops_against_a_reference[scalar-300001-torch.float32-cuda]"
-  "tests/test_compact.py::test_ops_against_a_reference[scalar-32769-torch.bfloat16-cuda]"
-  "tests/test_compact.py::test_ops_keep_layouts[scalar-cuda]"
-  "tests/test_compact.py::test_restored_bit_for_bit[relu_ext-torch.float64-cuda]"
-  "tests/test_family.py::test_bitwise_against_pytorch[scalar-relu6-4097-torch.float32-cuda]"
-  "tests/test_family.py::test_bitwise_against_pytorch[scalar-leaky-100003-torch.bfloat16-cuda]"
-  "tests/test_family.py::test_bitwise_against_pytorch[scalar-threshold_odd-65-torch.float16-cuda]"
-  "tests/test_family.py::test_bitwise_against_pytorch[scalar-hardsigmoid-63-torch.float64-cuda]"
-  "tests/test_family.py::test_inplace_bitwise_against_pytorch[scalar-hardtanh_odd-torch.float32-cuda]"
-  "tests/test_recompute.py::test_cuda_replay_matches_pytorch[torch.bfloat16-2x37x5x3-channels_last-eval]"
-  "tests/test_recompute.py::test_cuda_residual_replay_matches_pytorch[torch.float32]"
+  "tests/activations/test_exact.py::test_forward_backward_bitwise[scalar-33-torch.float32-cuda]"
+  "tests/activations/test_exact.py::test_forward_backward_bitwise[scalar-4097-torch.float16-cuda]"
+  "tests/activations/test_exact.py::test_forward_backward_bitwise[scalar-1000003-torch.bfloat16-cuda]"
+  "tests/activations/test_exact.py::test_forward_backward_bitwise[scalar-1023-torch.float64-cuda]"
+  "tests/activations/test_exact.py::test_inplace_matches_pytorch[scalar-4097-torch.float32-cuda]"
+  "tests/activations/test_exact.py::test_special_values[torch.bfloat16-cuda]"
+  "tests/activations/test_exact.py::test_gradient_select_not_product[torch.float16-cuda]"
+  "tests/activations/test_exact.py::test_integer_dtypes_like_torch[4097-torch.int8-cuda]"
+  "tests/activations/test_exact.py::test_expanded_gradient[cuda]"
+  "tests/activations/test_cuda.py::test_kernels_match_cpu_kernels[unroll4-torch.float32]"
+  "tests/activations/test_cuda.py::test_kernels_match_cpu_kernels[unroll2-torch.bfloat16]"
+  "tests/activations/test_cuda.py::test_side_stream[torch.float32]"
+  "tests/activations/test_cuda.py::test_cuda_graph_replay_ops[torch.float16]"
+  "tests/activations/test_cuda.py::test_cuda_graph_replay_autograd[out_of_place-torch.float32]"
+  "tests/compact/test_compact.py::test_ops_against_a_reference[scalar-300001-torch.float32-cuda]"
+  "tests/compact/test_compact.py::test_ops_against_a_reference[scalar-32769-torch.bfloat16-cuda]"
+  "tests/compact/test_compact.py::test_ops_keep_layouts[scalar-cuda]"
+  "tests/compact/test_compact.py::test_restored_bit_for_bit[relu_ext-torch.float64-cuda]"
+  "tests/activations/test_family.py::test_bitwise_against_pytorch[scalar-relu6-4097-torch.float32-cuda]"
+  "tests/activations/test_family.py::test_bitwise_against_pytorch[scalar-leaky-100003-torch.bfloat16-cuda]"
+  "tests/activations/test_family.py::test_bitwise_against_pytorch[scalar-threshold_odd-65-torch.float16-cuda]"
+  "tests/activations/test_family.py::test_bitwise_against_pytorch[scalar-hardsigmoid-63-torch.float64-cuda]"
+  "tests/activations/test_family.py::test_inplace_bitwise_against_pytorch[scalar-hardtanh_odd-torch.float32-cuda]"
+  "tests/compact/test_recompute.py::test_cuda_replay_matches_pytorch[torch.bfloat16-2x37x5x3-channels_last-eval]"
+  "tests/compact/test_recompute.py::test_cuda_residual_replay_matches_pytorch[torch.float32]"
 )
 STEP_NAMES=(build test sanitize bench unroll)
 QUICK_BENCH_ARGS=(--sizes 65536,1048576,16777216,268435456 --what kernels,small --budget 0.2)

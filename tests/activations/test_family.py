@@ -1,12 +1,12 @@
-"""The activation table (relu and the family: hardtanh / relu6, leaky_relu, threshold, hardsigmoid)
-against PyTorch, bit for bit, and the batteries every op passes, run as one table over the ops
-(test_exact.py and the other files test relu in more depth)."""
+"""The activation table (tests/cases.py: relu and the family: hardtanh / relu6, leaky_relu, threshold,
+hardsigmoid) against PyTorch, bit for bit, and the batteries every op passes, run as one table over the
+ops (test_exact.py and the other files test relu in more depth)."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
+import re
 import warnings
 from typing import Any, Callable
 
@@ -17,92 +17,11 @@ import torch.nn.functional as F
 from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import relu_ext
-from conftest import DEVICES, DTYPES, INT_OF, adversarial, bits, known_torch_cuda_zero_difference, layouts, node_names
+from cases import (BY_ID, CASE_IDS, CASES, FUNC_CASES, REPRESENTATIVE_IDS, REPRESENTATIVES, assert_family_equal,
+                   grad_at_nan, run_case, with_edges)
+from conftest import DEVICES, DTYPES, adversarial, bits, layouts, node_names
 
 ops = torch.ops.relu_ext
-
-# (id, relu_ext function, PyTorch function, op name, Scalar arguments, torch.nn class and its arguments)
-CASES: list[tuple[str, Callable, Callable, str, tuple, type, tuple]] = [
-    ("relu", relu_ext.relu, F.relu, "relu", (), torch.nn.ReLU, ()),
-    ("hardtanh", relu_ext.hardtanh, F.hardtanh, "hardtanh", (-1.0, 1.0), torch.nn.Hardtanh, ()),
-    ("relu6", lambda t, inplace=False: relu_ext.relu6(t, inplace), lambda t, inplace=False: F.relu6(t, inplace),
-     "hardtanh", (0.0, 6.0), torch.nn.ReLU6, ()),
-    ("hardtanh_min_eq_max", relu_ext.hardtanh, F.hardtanh, "hardtanh", (0.5, 0.5), torch.nn.Hardtanh, (0.5, 0.5)),
-    ("hardtanh_odd", relu_ext.hardtanh, F.hardtanh, "hardtanh", (-2.5, 3.0), torch.nn.Hardtanh, (-2.5, 3.0)),
-    ("hardtanh_inexact", relu_ext.hardtanh, F.hardtanh, "hardtanh", (-0.1, 0.7), torch.nn.Hardtanh, (-0.1, 0.7)),
-    ("leaky", relu_ext.leaky_relu, F.leaky_relu, "leaky_relu", (0.01,), torch.nn.LeakyReLU, ()),
-    ("leaky_zero_slope", relu_ext.leaky_relu, F.leaky_relu, "leaky_relu", (0.0,), torch.nn.LeakyReLU, (0.0,)),
-    ("leaky_steep", relu_ext.leaky_relu, F.leaky_relu, "leaky_relu", (1.5,), torch.nn.LeakyReLU, (1.5,)),
-    ("leaky_negative", relu_ext.leaky_relu, F.leaky_relu, "leaky_relu", (-0.3,), torch.nn.LeakyReLU, (-0.3,)),
-    ("threshold", relu_ext.threshold, F.threshold, "threshold", (0.0, 0.0), torch.nn.Threshold, (0.0, 0.0)),
-    ("threshold_odd", relu_ext.threshold, F.threshold, "threshold", (0.1, 20.0), torch.nn.Threshold, (0.1, 20.0)),
-    ("threshold_nan_value", relu_ext.threshold, F.threshold, "threshold", (-1.0, float("nan")), torch.nn.Threshold,
-     (-1.0, float("nan"))),
-    ("hardsigmoid", relu_ext.hardsigmoid, F.hardsigmoid, "hardsigmoid", (), torch.nn.Hardsigmoid, ()),
-]
-CASE_IDS = [c[0] for c in CASES]
-BY_ID = {c[0]: c for c in CASES}
-
-
-def _run(case: tuple, impl: str, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    _, ours, theirs, _, args, _, _ = case
-    fn = ours if impl == "relu_ext" else theirs
-    if case[0] == "relu6":
-        return fn(x, inplace=inplace)
-    if not args:
-        return fn(x, inplace=inplace)
-    return fn(x, *args, inplace=inplace)
-
-
-@functools.cache
-def _torch_fn(case: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
-    """PyTorch's function of `case` with its arguments bound (one object per case, for the cache above)."""
-    return lambda t: _run(case, "torch", t)
-
-
-def _with_edges(x: torch.Tensor, args: tuple) -> torch.Tensor:
-    """`x` with the op's thresholds (and ±3, hardsigmoid's) written exactly at every 5th element."""
-    edges = [a for a in args if a == a] + [3.0, -3.0, 0.0, -0.0]
-    vals = torch.tensor(edges, dtype=torch.float64).to(x.dtype).to(x.device)
-    x = x.clone()
-    k = x[::5].numel()
-    if k:
-        x[::5] = vals.repeat(k // len(edges) + 1)[:k]
-    return x
-
-
-def _assert_family_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str, x: torch.Tensor | None = None,
-                         nan_input_grad: torch.Tensor | None = None, case: tuple | None = None) -> None:
-    """Bit for bit, except: a NaN only has to meet a NaN (PyTorch's vectorized CPU
-    loops rewrite NaN payloads, its scalar tail keeps them); where `x` is NaN,
-    the gradient must be `nan_input_grad` (relu_ext follows PyTorch's scalar
-    predicate there, which its vectorized hardtanh backward does not); and, for
-    the outputs of `case` on a GPU whose torch turns that op's -0.0 into +0.0
-    (torch 2.11's CUDA relu and clamp), relu_ext's -0.0 may meet torch's +0.0."""
-    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype and ours.stride() == theirs.stride(), what
-    a, e = bits(ours), bits(theirs)
-    both_nan = (ours.isnan() & theirs.isnan()).contiguous()
-    a, e = a.masked_fill(both_nan, 0), e.masked_fill(both_nan, 0)
-    if case is not None:
-        known = known_torch_cuda_zero_difference(a, e, theirs, _torch_fn(case))
-        a, e = a.masked_fill(known, 0), e.masked_fill(known, 0)
-    if x is not None and nan_input_grad is not None:
-        at_nan = x.isnan().contiguous()
-        want = nan_input_grad.detach()
-        same = (bits(ours) == bits(want)) | (ours.isnan() & want.isnan()).contiguous()
-        assert bool(same[at_nan].all()), f"{what}: gradient at NaN inputs"
-        a, e = a.masked_fill(at_nan, 0), e.masked_fill(at_nan, 0)
-    diff = (a != e).flatten().nonzero()
-    if diff.numel():
-        i = diff[0].item()
-        raise AssertionError(f"{what}: {diff.numel()} of {a.numel()} differ; first at {i}: got "
-                             f"{ours.flatten()[i].item()!r}, want {theirs.flatten()[i].item()!r}")
-
-
-def _grad_at_nan(case: tuple, g: torch.Tensor) -> torch.Tensor | None:
-    """hardtanh: PyTorch's scalar predicate !(x <= min || x >= max) passes g at a NaN input."""
-    return g if case[3] == "hardtanh" else None
-
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -110,14 +29,14 @@ def _grad_at_nan(case: tuple, g: torch.Tensor) -> torch.Tensor | None:
 @pytest.mark.parametrize("case", CASE_IDS)
 def test_bitwise_against_pytorch(case, n, dtype, device, cpu_isa):
     c = BY_ID[case]
-    x = _with_edges(adversarial(n, dtype, device, seed=n), c[4])
+    x = with_edges(adversarial(n, dtype, device, seed=n), c[4])
     for name, v in layouts(x).items():
-        _assert_family_equal(_run(c, "relu_ext", v), _run(c, "torch", v), f"forward {name}", case=c)
+        assert_family_equal(run_case(c, "relu_ext", v), run_case(c, "torch", v), f"forward {name}", case=c)
         g = adversarial(v.numel(), dtype, device, seed=n + 1).view(v.shape)
         a, b = v.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
-        _run(c, "relu_ext", a).backward(g)
-        _run(c, "torch", b).backward(g)
-        _assert_family_equal(a.grad, b.grad, f"gradient {name}", v, _grad_at_nan(c, g))
+        run_case(c, "relu_ext", a).backward(g)
+        run_case(c, "torch", b).backward(g)
+        assert_family_equal(a.grad, b.grad, f"gradient {name}", v, grad_at_nan(c, g))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -125,30 +44,28 @@ def test_bitwise_against_pytorch(case, n, dtype, device, cpu_isa):
 @pytest.mark.parametrize("case", [c for c in CASE_IDS if c != "leaky_negative"])
 def test_inplace_bitwise_against_pytorch(case, dtype, device, cpu_isa):
     c = BY_ID[case]
-    base = _with_edges(adversarial(4097, dtype, device, seed=3), c[4])
+    base = with_edges(adversarial(4097, dtype, device, seed=3), c[4])
     for name in layouts(base):
         la, lb = base.clone().requires_grad_(), base.clone().requires_grad_()
         va, vb = layouts(la * 1)[name], layouts(lb * 1)[name]
-        ya, yb = _run(c, "relu_ext", va, inplace=True), _run(c, "torch", vb, inplace=True)
+        ya, yb = run_case(c, "relu_ext", va, inplace=True), run_case(c, "torch", vb, inplace=True)
         assert ya is va
-        _assert_family_equal(ya, yb, f"in-place forward {name}", case=c)
+        assert_family_equal(ya, yb, f"in-place forward {name}", case=c)
         g = adversarial(ya.numel(), dtype, device, seed=5).view(ya.shape)
         ya.backward(g)
         yb.backward(g)
         src = layouts(base)[name]
-        _assert_family_equal(layouts(la.grad)[name], layouts(lb.grad)[name], f"in-place gradient {name}", src,
-                             _grad_at_nan(c, g))
+        assert_family_equal(layouts(la.grad)[name], layouts(lb.grad)[name], f"in-place gradient {name}", src,
+                             grad_at_nan(c, g))
         vc = layouts(base.clone())[name]
         vd = layouts(base.clone())[name]
         with torch.no_grad():
-            _run(c, "relu_ext", vc, inplace=True)
-            _run(c, "torch", vd, inplace=True)
-        _assert_family_equal(vc, vd, f"in-place no-grad {name}", case=c)
+            run_case(c, "relu_ext", vc, inplace=True)
+            run_case(c, "torch", vd, inplace=True)
+        assert_family_equal(vc, vd, f"in-place no-grad {name}", case=c)
 
 
-OPINFO = {"nn.functional.hardtanh": relu_ext.hardtanh, "nn.functional.relu6": relu_ext.relu6,
-          "nn.functional.leaky_relu": relu_ext.leaky_relu, "nn.functional.threshold": relu_ext.threshold,
-          "nn.functional.hardsigmoid": relu_ext.hardsigmoid, "nn.functional.relu": relu_ext.relu}
+OPINFO = {f"nn.functional.{c.name}": getattr(relu_ext, c.name) for c in REPRESENTATIVES}
 
 
 @pytest.mark.parametrize("name", list(OPINFO))
@@ -168,10 +85,10 @@ def test_pytorch_opinfo_samples_bitwise(name):
             if not grad:
                 assert torch.equal(ours, theirs), what
                 continue
-            _assert_family_equal(ours, theirs, what)
+            assert_family_equal(ours, theirs, what)
             g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
             (ga,), (gb,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
-            _assert_family_equal(ga, gb, f"gradient {what}")
+            assert_family_equal(ga, gb, f"gradient {what}")
 
 
 def _every_value(dtype: torch.dtype) -> torch.Tensor:
@@ -193,9 +110,9 @@ def test_hardsigmoid_on_every_value_near_its_corners(dtype, cpu_isa):
     x = x.clone().requires_grad_()
     g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
     ours, theirs = relu_ext.hardsigmoid(x), F.hardsigmoid(x)
-    _assert_family_equal(ours, theirs, f"hardsigmoid {dtype}")
+    assert_family_equal(ours, theirs, f"hardsigmoid {dtype}")
     (ga,), (gb,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
-    _assert_family_equal(ga, gb, f"hardsigmoid gradient {dtype}")
+    assert_family_equal(ga, gb, f"hardsigmoid gradient {dtype}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -208,9 +125,9 @@ def test_hardtanh_bounds_that_round_twice(dtype, cpu_isa):
     g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
     for lo, hi in [(-(1 + tie + 2.0 ** -30), 1 + tie + 2.0 ** -30), (-(3 + 2 * tie), 1 + tie - 2.0 ** -30)]:
         ours, theirs = relu_ext.hardtanh(x, lo, hi), F.hardtanh(x, lo, hi)
-        _assert_family_equal(ours, theirs, f"hardtanh({lo}, {hi}) {dtype}")
+        assert_family_equal(ours, theirs, f"hardtanh({lo}, {hi}) {dtype}")
         (ga,), (gb,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
-        _assert_family_equal(ga, gb, f"hardtanh({lo}, {hi}) gradient {dtype}", x, g)
+        assert_family_equal(ga, gb, f"hardtanh({lo}, {hi}) gradient {dtype}", x, g)
 
 
 @pytest.mark.parametrize("kind", ["int", "numpy", "tensor"])
@@ -234,7 +151,7 @@ def test_scalar_arguments_as_pytorch_takes_them(kind, mode):
     for ours, theirs, args in calls:
         with Through() if mode else contextlib.nullcontext():
             got = ours(x, *args)
-        _assert_family_equal(got, theirs(x, *args), f"{ours.__name__}{args}")
+        assert_family_equal(got, theirs(x, *args), f"{ours.__name__}{args}")
 
 
 def test_leaky_inplace_negative_slope_raises_at_backward_as_pytorch():
@@ -263,7 +180,7 @@ def test_integer_dtypes_like_pytorch(case, dtype):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return ("value", _run(c, impl, v, inplace).tolist(), v.tolist())
+                return ("value", run_case(c, impl, v, inplace).tolist(), v.tolist())
         except Exception as e:  # noqa: BLE001  (PyTorch's own error is the expected answer)
             return ("error", type(e), str(e).splitlines()[0])
 
@@ -292,29 +209,35 @@ def test_only_the_mask_is_saved(case):
     saved: list[torch.Tensor] = []
     x = torch.randn(1000, 37, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = _run(c, "relu_ext", x * 1)
+        y = run_case(c, "relu_ext", x * 1)
     ours = [t for t in saved if t.numel() * t.element_size() >= 1000]
     assert len(ours) == 1 and ours[0].dtype == torch.uint8 and ours[0].numel() == (x.numel() + 7) // 8, saved
-    assert y.grad_fn.name() == {"relu": "ReluExtBackward0", "hardtanh": "HardtanhExtBackward0", "leaky_relu": "LeakyReluExtBackward0",
-                                "threshold": "ThresholdExtBackward0", "hardsigmoid": "HardsigmoidExtBackward0"}[c[3]]
+    assert y.grad_fn.name() == c.node
     assert torch.equal(y.grad_fn._saved_mask, saved[-1] if saved[-1].dtype == torch.uint8 else ours[0])
 
 
 def test_modules_are_drop_in_subclasses():
-    for theirs, ours, args in [(torch.nn.ReLU6, relu_ext.ReLU6, ()), (torch.nn.Hardtanh, relu_ext.Hardtanh, (-2.0, 2.0)),
-                               (torch.nn.LeakyReLU, relu_ext.LeakyReLU, (0.2, True)),
-                               (torch.nn.Threshold, relu_ext.Threshold, (0.1, 20.0)),
-                               (torch.nn.Hardsigmoid, relu_ext.Hardsigmoid, ())]:
-        a, b = theirs(*args), ours(*args)
+    """Every row's module, and with inplace=True, as its torch.nn class (and two more spellings)."""
+    rows = [(torch.nn.Hardtanh, relu_ext.Hardtanh, (-2.0, 2.0), {}), (torch.nn.LeakyReLU, relu_ext.LeakyReLU, (0.2, True), {})]
+    rows += [(c.module, c.ours_module, c.module_args, kw) for c in CASES for kw in ({}, {"inplace": True})]
+    for theirs, ours, args, kw in rows:
+        try:
+            a = theirs(*args, **kw)
+        except Exception as e:  # (Hardtanh(0.5, 0.5): torch.nn refuses min_val == max_val, so must relu_ext)
+            with pytest.raises(type(e), match=f"^{re.escape(str(e))}$"):
+                ours(*args, **kw)
+            continue
+        b = ours(*args, **kw)
         assert isinstance(b, theirs) and repr(a) == repr(b) and a.state_dict() == b.state_dict()
         x = torch.randn(50)
-        assert torch.equal(a(x.clone()), b(x.clone()))
+        assert_family_equal(b(x.clone()), a(x.clone()), f"{theirs.__name__}{args}")
 
 
 def test_convert_and_revert_swap_every_family_module():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.ReLU6(inplace=True),
                                 torch.nn.LeakyReLU(0.1), torch.nn.Hardtanh(-2.0, 2.0), torch.nn.Threshold(0.1, 0.0),
                                 torch.nn.Hardsigmoid(), torch.nn.ReLU(), torch.nn.GELU()).eval()
+    assert {type(m) for m in model} >= {c.module for c in CASES}, "a module of the table (tests/cases.py) is missing"
     state = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(2, 3, 5, 5)
     ref = model(x)
@@ -342,14 +265,11 @@ def _kinkless(shape: tuple[int, ...], args: tuple, seed: int = 0) -> torch.Tenso
     return torch.where(near, x + 0.2, x)
 
 
-FUNC_CASES = [c for c in CASE_IDS if c not in ("threshold_nan_value",)]
-
-
 def _fn(case: str, impl: str, inplace: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     c = BY_ID[case]
     if inplace:
-        return lambda t: _run(c, impl, t * 1, inplace=True)
-    return lambda t: _run(c, impl, t)
+        return lambda t: run_case(c, impl, t * 1, inplace=True)
+    return lambda t: run_case(c, impl, t)
 
 
 @pytest.mark.parametrize("case", FUNC_CASES)
@@ -451,7 +371,7 @@ def _same_step(a: tuple, b: tuple) -> None:
     _same(a[1], b[1], "gradients")
 
 
-NET_CASES = ["relu", "relu6", "hardtanh_odd", "leaky", "threshold_odd", "hardsigmoid"]
+NET_CASES = REPRESENTATIVE_IDS  # one row per public function
 
 
 @pytest.mark.parametrize("case", NET_CASES)
@@ -566,6 +486,11 @@ def _pytorch_kernels_around():
     relu_ext.uninstall()
 
 
+def test_entry_points_cover_every_op_of_the_table():
+    assert {kind for _, kind in ENTRY_POINTS.values()} == {c.node.removesuffix("ExtBackward0") for c in CASES
+                                                           if c.op != "relu"}  # (relu's: test_install.py)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_install_reaches_every_entry_point(name, dtype, _pytorch_kernels_around):
@@ -585,8 +510,8 @@ def test_install_reaches_every_entry_point(name, dtype, _pytorch_kernels_around)
         y, gr, nodes = run()
     assert f"{kind}ExtBackward0" in nodes and not any(n.startswith(kind + "Backward") for n in nodes), nodes
     assert any(n.startswith(kind + "Backward") for n in ref_nodes), ref_nodes
-    _assert_family_equal(y, ref_y, f"{name} output")
-    _assert_family_equal(gr, ref_g, f"{name} gradient", x, g if kind == "Hardtanh" else None)
+    assert_family_equal(y, ref_y, f"{name} output")
+    assert_family_equal(gr, ref_g, f"{name} gradient", x, g if kind == "Hardtanh" else None)
     assert node_names(fn(x.clone().requires_grad_() * 1)) == ref_nodes, "uninstalled: PyTorch's nodes again"
 
 
@@ -622,7 +547,7 @@ def test_save_compact_restores_family_outputs_bitwise(case, _pytorch_kernels_aro
     c = BY_ID[case]
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(4, 4, 3)
-    x = _with_edges(adversarial(2 * 4 * 40 * 40, torch.float32, seed=1), c[4]).view(2, 4, 40, 40)
+    x = with_edges(adversarial(2 * 4 * 40 * 40, torch.float32, seed=1), c[4]).view(2, 4, 40, 40)
     x = x.nan_to_num(1.0, 2.0, -2.0)  # finite: a NaN or inf would reach every gradient through the conv
     results = []
     for impl, ctx in (("torch", None), ("relu_ext", None), ("relu_ext", relu_ext.save_compact(min_saving=0.0)),
@@ -634,14 +559,14 @@ def test_save_compact_restores_family_outputs_bitwise(case, _pytorch_kernels_aro
             inner = ctx.pack_hook
             ctx.pack_hook = lambda t: made.append(inner(t)) or made[-1]
         with ctx if ctx is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            y = conv(_run(c, impl, leaf * 1))
+            y = conv(run_case(c, impl, leaf * 1))
         y.square().sum().backward()
         results.append([leaf.grad, conv.weight.grad.clone()])
         if ctx is not None and impl == "relu_ext":  # PyTorch's ThresholdBackward0 does not keep `value`
             assert any(type(m).__name__ == "Compacted" for m in made), f"{impl}: nothing was compacted"
     for r in results[1:]:
-        _assert_family_equal(r[1], results[0][1], "weight gradient")
-        _assert_family_equal(r[0], results[0][0], "input gradient", x, results[0][0] if c[3] == "hardtanh" else None)
+        assert_family_equal(r[1], results[0][1], "weight gradient")
+        assert_family_equal(r[0], results[0][0], "input gradient", x, results[0][0] if c[3] == "hardtanh" else None)
 
 
 def test_mobilenet_v2_holds_less_and_trains_bitwise(_pytorch_kernels_around):

@@ -19,14 +19,11 @@ from conftest import INT_OF, assert_bitwise_equal, assert_same_step, train_step
 _ops = torch.ops.relu_ext
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
-# (op name, its arguments, PyTorch's function of the BatchNorm output)
+from cases import REPRESENTATIVES, torch_fn  # noqa: E402  (the table of activations)
+
+# (op name, its arguments, PyTorch's function of the BatchNorm output): one per public function of the table.
 ACTS: dict[str, tuple[str, list[float], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "relu": ("relu", [], torch.relu),
-    "relu6": ("hardtanh", [0.0, 6.0], F.relu6),
-    "hardtanh": ("hardtanh", [-0.5, 0.25], lambda t: F.hardtanh(t, -0.5, 0.25)),
-    "leaky": ("leaky_relu", [0.1], lambda t: F.leaky_relu(t, 0.1)),
-    "threshold": ("threshold", [0.1, 0.0], lambda t: F.threshold(t, 0.1, 0.0)),
-    "hardsigmoid": ("hardsigmoid", [], F.hardsigmoid),
+    c.id: (c.op, list(c.args), torch_fn(c)) for c in REPRESENTATIVES
 }
 
 

@@ -1,6 +1,6 @@
 """Drop-in to the last bit: every output, gradient and tangent in PyTorch's strides under mixed
 layouts, gradients taken with create_graph=True as differentiable as PyTorch's, and channels-last
-training bitwise PyTorch's, over the activation table (test_family.CASES)."""
+training bitwise PyTorch's, over the activation table (tests/cases.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import relu_ext
 from conftest import DEVICES, DTYPES, adversarial, assert_same_step, train_step
-from test_family import BY_ID, CASE_IDS, FUNC_CASES, _assert_family_equal, _grad_at_nan, _run, _with_edges
+from cases import BY_ID, CASE_IDS, FUNC_CASES, ONE_PER_OP_IDS, assert_family_equal, grad_at_nan, run_case, with_edges
 
 SHAPE = (2, 3, 4, 5)
 
@@ -34,13 +34,13 @@ ODD = [((2, 3, 1, 1), (3, 1, 3, 3)), ((2, 1, 4, 4), (16, 1, 4, 1)), ((1, 3, 2, 2
 def _pairs(dtype: torch.dtype, device: str, args: tuple, seed: int):
     """(name, x, g): inputs and incoming gradients in every pair of layouts, adversarial values."""
     n = torch.Size(SHAPE).numel()
-    x0 = _with_edges(adversarial(n, dtype, device, seed), args).view(SHAPE)
+    x0 = with_edges(adversarial(n, dtype, device, seed), args).view(SHAPE)
     g0 = adversarial(n, dtype, device, seed + 1).view(SHAPE)
     for (xn, xl), (gn, gl) in itertools.product(LAYOUTS.items(), repeat=2):
         yield f"x {xn}, grad {gn}", xl(x0), gl(g0)
     for (size, stride), other in itertools.product(ODD, ("contiguous", "same")):
         x = torch.empty_strided(size, stride, dtype=dtype, device=device)
-        x.copy_(_with_edges(adversarial(x.numel(), dtype, device, seed), args).view(size))
+        x.copy_(with_edges(adversarial(x.numel(), dtype, device, seed), args).view(size))
         g = torch.empty_strided(size, stride, dtype=dtype, device=device) if other == "same" else x.new_empty(size)
         g.copy_(adversarial(x.numel(), dtype, device, seed + 2).view(size))
         yield f"x {size} {stride}, grad {other}", x, g
@@ -51,14 +51,14 @@ def _grad_and_tangent(c: tuple, impl: str, x: torch.Tensor, g: torch.Tensor, inp
     forward-AD tangent for tangent g."""
     leaf = x.detach().clone() if inplace else x.detach()
     leaf.requires_grad_()
-    y = _run(c, impl, leaf * 1 if inplace else leaf, inplace)
+    y = run_case(c, impl, leaf * 1 if inplace else leaf, inplace)
     grad, = torch.autograd.grad(y, leaf, g)
     if torch._debug_has_internal_overlap(x) or torch._debug_has_internal_overlap(g):
         return y, grad, None  # make_dual refuses an overlapping primal or tangent
     with fwAD.dual_level():
         primal = x.detach().clone() if inplace else x.detach()
         dual = fwAD.make_dual(primal, g)
-        tangent = fwAD.unpack_dual(_run(c, impl, dual * 1 if inplace else dual, inplace)).tangent
+        tangent = fwAD.unpack_dual(run_case(c, impl, dual * 1 if inplace else dual, inplace)).tangent
     return y, grad, tangent
 
 
@@ -74,10 +74,10 @@ def test_outputs_gradients_and_tangents_have_pytorchs_strides(case, dtype, devic
             ours = _grad_and_tangent(c, "relu_ext", x, g, inplace)
             theirs = _grad_and_tangent(c, "torch", x, g, inplace)
             what = f"{name}{' in place' if inplace else ''}"
-            _assert_family_equal(ours[0].detach(), theirs[0].detach(), f"{what}: output", case=c)
-            _assert_family_equal(ours[1], theirs[1], f"{what}: gradient", x, _grad_at_nan(c, g))
+            assert_family_equal(ours[0].detach(), theirs[0].detach(), f"{what}: output", case=c)
+            assert_family_equal(ours[1], theirs[1], f"{what}: gradient", x, grad_at_nan(c, g))
             if theirs[2] is not None:
-                _assert_family_equal(ours[2], theirs[2], f"{what}: tangent", x, _grad_at_nan(c, g))
+                assert_family_equal(ours[2], theirs[2], f"{what}: tangent", x, grad_at_nan(c, g))
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def _pytorch_kernels_around():
     relu_ext.uninstall()
 
 
-@pytest.mark.parametrize("case", ["relu", "relu6", "leaky", "threshold_odd", "hardsigmoid"])
+@pytest.mark.parametrize("case", ONE_PER_OP_IDS)
 def test_installed_gradients_have_pytorchs_strides(case, _pytorch_kernels_around):
     c = BY_ID[case]
     for name, x, g in _pairs(torch.float32, "cpu", c[4], seed=11):
@@ -97,8 +97,8 @@ def test_installed_gradients_have_pytorchs_strides(case, _pytorch_kernels_around
             assert "Ext" in ours[0].grad_fn.name()
         for i, what in enumerate(("output", "gradient", "tangent")):
             if theirs[i] is not None:
-                at_nan = _grad_at_nan(c, g) if i else None
-                _assert_family_equal(ours[i].detach(), theirs[i].detach(), f"{name}: {what}", x, at_nan, case=c)
+                at_nan = grad_at_nan(c, g) if i else None
+                assert_family_equal(ours[i].detach(), theirs[i].detach(), f"{name}: {what}", x, at_nan, case=c)
 
 
 # --- gradients of gradients -------------------------------------------------------------------
@@ -112,7 +112,7 @@ def _second_order(c: tuple, impl: str, inplace: bool, weighted: bool) -> tuple:
     x.requires_grad_()
     w = torch.randn(6, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).requires_grad_(weighted)
     v = torch.randn(6, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    y = _run(c, impl, x * 1, inplace)
+    y = run_case(c, impl, x * 1, inplace)
     g, = torch.autograd.grad((y * w).sum(), x, create_graph=True)
     if not g.requires_grad:
         return False, None, None
@@ -141,7 +141,7 @@ def test_gradients_of_gradients_as_pytorchs(case, inplace, weighted):
     for got, want, what in zip(ours[1:], theirs[1:], ("x.grad", "w.grad")):
         assert (got is None) == (want is None), what
         if want is not None:
-            _assert_family_equal(got, want, what)
+            assert_family_equal(got, want, what)
 
 
 def test_the_issues_example_differentiates_again():

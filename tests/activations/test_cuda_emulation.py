@@ -1,9 +1,9 @@
-"""The CUDA device code, run on the CPU by tests/cuda_emulation.cpp (one
+"""The CUDA device code, run on the CPU by tests/activations/cuda_emulation.cpp (one
 fiber per lane, ballots and shuffles across the 32 lanes of a warp): every kernel, dtype,
 vector width and unroll against the element-wise contract, at every row,
 group and mask-word edge and past several grid-stride passes, with guards
 around every output and AddressSanitizer on every input. It needs no GPU, so
-CI checks the kernels' logic; tests/test_cuda.py checks them on a GPU."""
+CI checks the kernels' logic; tests/activations/test_cuda.py checks them on a GPU."""
 
 from __future__ import annotations
 

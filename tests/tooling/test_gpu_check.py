@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 BASH = shutil.which("bash")
 
@@ -197,8 +197,8 @@ def test_sanitizer_selection_is_collected_by_pytest():
         path = entry.split("::")[0]
         assert (REPO / path).is_file(), entry
         assert "::" not in entry or entry.split("::")[0].startswith("tests/"), entry
-        assert "[" not in entry or "cuda" in entry or path == "tests/test_cuda.py", f"{entry}: not a CUDA variant"
-    assert any(e.startswith("tests/test_cuda.py::") for e in selection)
+        assert "[" not in entry or "cuda" in entry or path == "tests/activations/test_cuda.py", f"{entry}: not a CUDA variant"
+    assert any(e.startswith("tests/activations/test_cuda.py::") for e in selection)
     assert any("inplace" in e for e in selection) and any("backward" in e or "autograd" in e for e in selection)
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
                          cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import relu_ext
 from conftest import assert_bitwise_equal
-from test_family import BY_ID, _run
+from cases import BY_ID, ONE_PER_OP, run_case
 
 
 @pytest.fixture
@@ -24,8 +24,8 @@ def _pytorch_kernels_around():
 
 # --- selective activation checkpointing -----------------------------------------------------
 
-SAC_CASES = {"relu": "relu", "relu6": "hardtanh", "leaky": "leaky_relu", "threshold_odd": "threshold",
-             "hardsigmoid": "hardsigmoid"}
+# (case id: its aten op), one row per op of the table
+SAC_CASES = {c.id: c.op for c in ONE_PER_OP}
 
 
 def _sac_step(case: str, impl: str, save_activation: bool) -> tuple[list, list]:
@@ -42,7 +42,7 @@ def _sac_step(case: str, impl: str, save_activation: bool) -> tuple[list, list]:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (_run(c, impl, x @ w) @ w).sin().sum()  # sin keeps its input: the recomputation reruns `@`
+        return (run_case(c, impl, x @ w) @ w).sin().sum()  # sin keeps its input: the recomputation reruns `@`
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 8, generator=g, requires_grad=True)

@@ -15,7 +15,7 @@ import relu_ext
 from relu_ext import _C
 from conftest import DEVICES
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import two_layer_net  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def test_mask_ops_refuse_integers():
 
 
 # relu / relu_ hand sparse, quantized, nested, mkldnn and other-device tensors
-# to torch.relu (tests/test_install.py); the training pieces, which have no
+# to torch.relu (tests/activations/test_install.py); the training pieces, which have no
 # PyTorch counterpart, refuse them by name.
 @pytest.mark.parametrize("make", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr], ids=["coo", "csr"])
 def test_sparse_layout_in_training_pieces(make):

@@ -13,10 +13,10 @@ from typing import Callable
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.nn.functional as F
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import relu_ext
+from cases import ONE_PER_OP, REPRESENTATIVES, Case, run_case
 from conftest import DEVICES, adversarial, assert_bitwise_equal
 
 
@@ -163,14 +163,8 @@ def test_forward_ad_dual_tensors(device, dtype):
     _assert_same(run("relu_ext"), run("torch"), "tangents")
 
 
-# (torch.nn class, relu_ext class, arguments, relu_ext's node): ReLU and the family.
-COMPILED_AUTOGRAD_CASES = {
-    "relu": (torch.nn.ReLU, relu_ext.ReLU, (), "ReluExtBackward0"),
-    "relu6": (torch.nn.ReLU6, relu_ext.ReLU6, (), "HardtanhExtBackward0"),
-    "leaky_relu": (torch.nn.LeakyReLU, relu_ext.LeakyReLU, (0.1,), "LeakyReluExtBackward0"),
-    "threshold": (torch.nn.Threshold, relu_ext.Threshold, (0.1, -2.0), "ThresholdExtBackward0"),
-    "hardsigmoid": (torch.nn.Hardsigmoid, relu_ext.Hardsigmoid, (), "HardsigmoidExtBackward0"),
-}
+# (torch.nn class, relu_ext class, arguments, relu_ext's node): ReLU and the family, one per op of the table.
+COMPILED_AUTOGRAD_CASES = {c.name: (c.module, c.ours_module, c.module_args, c.node) for c in ONE_PER_OP}
 
 
 @pytest.mark.parametrize("case", COMPILED_AUTOGRAD_CASES)
@@ -211,20 +205,15 @@ class _Logged(torch.Tensor):
 
 # (op name, relu_ext function, PyTorch's): the functions take a C++ path for
 # plain tensors in eager mode, which subclasses and modes must not bypass.
-_FUNCTIONS = [
-    ("relu", relu_ext.relu, F.relu),
-    ("hardtanh", lambda t, inplace=False: relu_ext.hardtanh(t, -0.5, 0.5, inplace),
-     lambda t: F.hardtanh(t, -0.5, 0.5)),
-    ("hardtanh", relu_ext.relu6, F.relu6),
-    ("leaky_relu", lambda t, inplace=False: relu_ext.leaky_relu(t, 0.2, inplace), lambda t: F.leaky_relu(t, 0.2)),
-    ("threshold", lambda t, inplace=False: relu_ext.threshold(t, 0.1, -2.0, inplace),
-     lambda t: F.threshold(t, 0.1, -2.0)),
-    ("hardsigmoid", relu_ext.hardsigmoid, F.hardsigmoid),
-]
+def _function(c: Case) -> tuple[str, Callable, Callable]:
+    return (c.op, lambda t, inplace=False: run_case(c, "relu_ext", t, inplace), lambda t: run_case(c, "torch", t))
 
 
-@pytest.mark.parametrize("name,fn,theirs", _FUNCTIONS, ids=["relu", "hardtanh", "relu6", "leaky_relu", "threshold",
-                                                            "hardsigmoid"])
+# One per public function of the table.
+_FUNCTIONS = [_function(c) for c in REPRESENTATIVES]
+
+
+@pytest.mark.parametrize("name,fn,theirs", _FUNCTIONS, ids=[c.name for c in REPRESENTATIVES])
 def test_subclasses_and_modes_see_the_op(name, fn, theirs):
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode

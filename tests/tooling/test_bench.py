@@ -24,7 +24,7 @@ from relu_ext.bench import cli, models, peers, real, report, timing
 
 # --malloc as-is: the default would retune malloc in this (pytest's) process for the rest of the suite.
 TINY = ["--device", "cpu", "--rounds", "3", "--budget", "0.01", "--no-progress", "--no-files", "--malloc", "as-is"]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

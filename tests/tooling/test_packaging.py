@@ -22,7 +22,7 @@ import torch
 import relu_ext
 from relu_ext import _build, _C
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(relu_ext.__file__).parent
 
 
@@ -158,7 +158,7 @@ def test_sdist_holds_what_a_build_needs(tmp_path):
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     needed = {"setup.py", "pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md",
               "Makefile",
-              "csrc/core/bits.h", "csrc/core/checks.h", "csrc/activations/cuda.cu", "tests/conftest.py",
+              "csrc/core/bits.h", "csrc/core/checks.h", "csrc/activations/cuda.cu", "tests/conftest.py", "tests/cases.py",
               "src/relu_ext/py.typed", "src/relu_ext/_C.pyi", "examples/two_layer_net.py"}
     needed |= {f for f in tracked if f.startswith(("csrc/", "src/", "tests/", "examples/", "docs/"))}
     assert needed <= names, sorted(needed - names)

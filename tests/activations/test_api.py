@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 import relu_ext
 from relu_ext import _C
+from cases import REPRESENTATIVES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, timeout: int = 300) -> str:
@@ -174,8 +175,7 @@ def test_convert_warns_when_nothing_was_swapped():
     with pytest.warns(UserWarning, match=r"relu_ext.convert: nothing to swap in this Sequential") as rec:
         assert relu_ext.convert(model) is model
     message = str(rec[0].message)
-    for name in ("torch.nn.ReLU", "torch.nn.ReLU6", "torch.nn.Hardtanh", "torch.nn.LeakyReLU", "torch.nn.Threshold",
-                 "torch.nn.Hardsigmoid"):
+    for name in (f"torch.nn.{c.module.__name__}" for c in REPRESENTATIVES):  # every module of the table
         assert name in message, message
     assert rec[0].filename == __file__  # it points at the caller, as PyTorch's warnings do
 
@@ -235,14 +235,8 @@ def test_convert_and_revert_take_only_modules(fn, arg):
 # --- inplace as PyTorch takes it -----------------------------------------------------------
 
 # (relu_ext function, torch function, relu_ext module, torch module, positional arguments)
-FAMILY = [
-    (relu_ext.relu, F.relu, relu_ext.ReLU, torch.nn.ReLU, ()),
-    (relu_ext.relu6, F.relu6, relu_ext.ReLU6, torch.nn.ReLU6, ()),
-    (relu_ext.hardtanh, F.hardtanh, relu_ext.Hardtanh, torch.nn.Hardtanh, (-0.5, 0.5)),
-    (relu_ext.leaky_relu, F.leaky_relu, relu_ext.LeakyReLU, torch.nn.LeakyReLU, (0.1,)),
-    (relu_ext.threshold, F.threshold, relu_ext.Threshold, torch.nn.Threshold, (0.1, 20.0)),
-    (relu_ext.hardsigmoid, F.hardsigmoid, relu_ext.Hardsigmoid, torch.nn.Hardsigmoid, ()),
-]
+# One per public function, from the table (tests/cases.py).
+FAMILY = [(getattr(relu_ext, c.name), getattr(F, c.name), c.ours_module, c.module, c.module_args) for c in REPRESENTATIVES]
 INPLACE = ["yes", 1, 0, None, "", True]
 
 
@@ -350,7 +344,7 @@ def test_package_docstring_is_an_overview():
 
 
 def test_module_classes_have_short_docstrings_pointing_to_torch():
-    for name in ("ReLU", "ReLU6", "Hardtanh", "LeakyReLU", "Threshold", "Hardsigmoid"):
+    for name in (c.ours_module.__name__ for c in REPRESENTATIVES):  # every module of the table
         doc = getattr(relu_ext, name).__doc__
         assert f"torch.nn.{name}" in doc and "import relu_ext" in doc and len(doc.splitlines()) <= 30, name
 
@@ -370,7 +364,7 @@ def test_help_of_each_name_is_short(name):
 # --- TorchScript archives of converted models ----------------------------------------------
 
 
-@pytest.mark.parametrize("module", [relu_ext.ReLU(), relu_ext.ReLU6(), relu_ext.LeakyReLU(0.1), relu_ext.Hardsigmoid()],
+@pytest.mark.parametrize("module", [c.ours_module(*c.module_args) for c in REPRESENTATIVES],
                          ids=lambda m: type(m).__name__)
 def test_torchscript_of_a_relu_ext_module_warns(module):
     """Scripting or tracing a model with relu_ext's modules warns that its archive needs relu_ext."""

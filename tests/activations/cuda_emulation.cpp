@@ -1,6 +1,6 @@
 // Runs the CUDA device code (csrc/*/kernels.cuh, csrc/core/cuda.cuh) on the CPU, so that
 // its indexing, tails, grid-stride loops, unrolls and shuffled mask words
-// are checked on machines without a GPU (tests/test_cuda_emulation.py builds
+// are checked on machines without a GPU (tests/activations/test_cuda_emulation.py builds
 // and runs this). A warp is 32 fibers (ucontext), one per lane; each runs
 // until it reaches a warp collective (__ballot_sync, __shfl_xor_sync), which
 // returns once all 32 lanes have reached it, from what they all brought to it

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import relu_ext
+from cases import ONE_PER_OP
 from conftest import (DTYPES, INT_OF, adversarial, assert_bitwise_equal, known_torch_cuda_zero_difference,
                       torch_cuda_relu_clears_negative_zero)
 
@@ -205,8 +206,7 @@ def test_uncapped_grid_gives_the_same_bits(dtype, waves):
 
     def family(x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
         out = []
-        for name, args in (("relu", ()), ("hardtanh", (0.0, 6.0)), ("leaky_relu", (0.1,)),
-                           ("threshold", (0.25, -2.0)), ("hardsigmoid", ())):
+        for name, args in ((c.op, c.args) for c in ONE_PER_OP):  # every op of the table
             y, m = getattr(ops, f"{name}_fwd")(x, *args)
             out += [y, m, getattr(ops, f"{name}_bwd")(g, m, *args)]
         values, missed = ops.compact(out[0], out[1])

@@ -1,0 +1,109 @@
+"""The tables of activations agree: the C++ trait table (relu_ext._C.install_targets(), from
+csrc/activations.h), the Python table (relu_ext.activations.ACTIVATIONS, which has no row for
+relu), the test table (tests/cases.py), and the lists outside Python that name activations
+(the CUDA emulation harness's checks, bench/gpu_check.sh's sanitizer selection, the benchmark's
+family rows). A row added to one and not to the others fails here."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import relu_ext
+from cases import BY_ID, CASES, ONE_PER_OP, OPS, REPRESENTATIVES, run_case
+from relu_ext import _C
+from relu_ext.activations import ACTIVATIONS
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = {a.name: a for a in ACTIVATIONS}
+RELU_MODULES = ((torch.nn.ReLU, relu_ext.ReLU),)  # relu's, which ACTIVATIONS does not list
+
+
+def test_every_op_is_in_every_table():
+    """Each C++ trait has a Python row (or is relu) and a test row, and each of these a trait."""
+    cpp = list(_C.install_targets())
+    assert len(set(cpp)) == len(cpp), cpp
+    assert set(cpp) == {"relu"} | set(PY), f"C++ traits {sorted(cpp)} vs Python table {sorted(PY)} and relu"
+    assert set(OPS) == set(cpp), f"test table {OPS} vs C++ traits {cpp}"
+    assert list(relu_ext.install_targets()) == cpp
+
+
+def test_rows_match_the_python_table():
+    """Each test row's arguments, modules and node are the Python table's for its op."""
+    for c in CASES:
+        params = () if c.op == "relu" else PY[c.op].params
+        assert len(c.args) == len(params), f"{c.id}: {c.args} for {c.op}{params}"
+        node = "ReluExtBackward0" if c.op == "relu" else PY[c.op].node
+        assert c.node == node, c.id
+        modules = RELU_MODULES if c.op == "relu" else PY[c.op].modules
+        assert (c.module, c.ours_module) in modules, f"{c.id}: {c.module.__name__} is not a module of {c.op}"
+    in_python = set(RELU_MODULES) | {m for a in ACTIVATIONS for m in a.modules}
+    assert {(c.module, c.ours_module) for c in CASES} == in_python, "a module with no test row, or a row with none"
+
+
+def test_public_functions_and_representatives():
+    """Each row's function is public in relu_ext and in torch.nn.functional; each function has
+    exactly one representative row (the one-per-function lists), and each op one in ONE_PER_OP."""
+    for c in CASES:
+        assert c.name in relu_ext.__all__ and callable(getattr(F, c.name, None)), c.id
+        assert c.ours_module.__name__ in relu_ext.__all__, c.id
+    names = [c.name for c in REPRESENTATIVES]
+    assert len(set(names)) == len(names) and set(names) == {c.name for c in CASES}, names
+    assert [c.op for c in ONE_PER_OP] == OPS
+
+
+def test_rows_run_as_their_op():
+    """Each row's relu_ext function makes its op's node, PyTorch's function PyTorch's node of that op."""
+    x = torch.randn(16, requires_grad=True)
+    for c in CASES:
+        assert run_case(c, "relu_ext", x * 1).grad_fn.name() == c.node, c.id
+        want = "ReluBackward0" if c.op == "relu" else PY[c.op].torch_node
+        assert run_case(c, "torch", x * 1).grad_fn.name() == want, c.id
+
+
+def _trait(op: str) -> str:
+    return "".join(p.capitalize() for p in op.split("_"))  # leaky_relu -> LeakyRelu, csrc/activations.h's
+
+
+def test_cuda_emulation_checks_every_trait():
+    """tests/activations/cuda_emulation.cpp runs every family trait (relu has its own checks) and
+    gives each its Params."""
+    text = (Path(__file__).with_name("cuda_emulation.cpp")).read_text()
+    checked = set(re.findall(r"check_family_dtypes<relu_ext::(\w+)>\(", text))
+    assert checked == {_trait(op) for op in OPS if op != "relu"}, checked
+    for op in OPS:
+        assert f"relu_ext::{_trait(op)}>" in text, f"params_of has no case for {op}"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_sanitizer_selection_covers_every_op():
+    """bench/gpu_check.sh's sanitizer selection runs each op's CUDA kernels: relu through
+    test_exact.py, the family through test_family.py's rows (named by the test table's ids)."""
+    out = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--list-sanitizer-tests"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    covered = set()
+    for entry in out:
+        if entry.startswith("tests/activations/test_exact.py::"):
+            covered.add("relu")
+        if entry.startswith("tests/activations/test_family.py::"):
+            case = entry.split("[", 1)[1].rstrip("]").split("-")[1]
+            assert case in BY_ID, f"{entry}: no row {case!r} in tests/cases.py"
+            covered.add(BY_ID[case].op)
+    assert covered == set(OPS), f"the sanitizer runs {sorted(covered)} of {OPS}"
+
+
+def test_benchmark_measures_every_family_op():
+    """relu_ext.bench's family rows (src/relu_ext/bench/peers.py's FAMILY; relu has its own) cover
+    every op of the family, with the op's arity."""
+    from relu_ext.bench.peers import FAMILY
+
+    ops = {name for _, name, _, _, _ in FAMILY}
+    assert ops == set(OPS) - {"relu"}, sorted(ops)
+    for label, name, args, _, _ in FAMILY:
+        assert len(args) == len(PY[name].params), label
