@@ -2,8 +2,8 @@
 // ops and their autograd node (family.cpp), install() (install.cpp), the
 // Python module (module.cpp), the BatchNorm replay (replay_cpu.cpp) and the
 // kernels are written once over. The family's kernels are generic over the
-// trait (family_cpu.cpp, relu_cuda_kernels.cuh); ReLU's are its own, tuned on
-// the raw bits (relu.h, relu_cpu.cpp, relu_cuda.cu), behind the same
+// trait (family_cpu.cpp, kernels.cuh); ReLU's are its own, tuned on
+// the raw bits (core/bits.h, relu_cpu.cpp, cuda.cu), behind the same
 // act_forward_* / act_backward_* names.
 //
 // A trait gives, for a storage type T (float, double, c10::Half,
@@ -95,7 +95,7 @@ inline c10::BFloat16 from_m<c10::BFloat16>(float v) {
 }
 #endif
 
-// relu(x): relu.h's contract, here in opmath terms for the replay
+// relu(x): core/bits.h's contract, here in opmath terms for the replay
 // (x < 0 -> +0, else x itself: NaN payload and -0.0 kept; mask !(y <= 0)).
 struct Relu {
   static constexpr const char* kName = "relu";
@@ -300,7 +300,7 @@ struct Hardsigmoid {
     const M lo = a < p.zero ? p.zero : a;  // std::max(a, 0)
     const M hi = p.six < lo ? p.six : lo;  // std::min(lo, 6)
     // For the 16-bit types the product with 1/6 and the quotient round to
-    // the same T for every one of the 65536 inputs (tests/test_family.py
+    // the same T for every one of the 65536 inputs (tests/activations/test_family.py
     // checks them all), and the division bounds the CPU loop.
     return from_m<T>(kCuda || sizeof(T) == 2 ? hi * M(1.0f / 6.0f) : hi / M(6));
   }

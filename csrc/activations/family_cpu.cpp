@@ -1,6 +1,6 @@
 // CPU kernels of the family (activations.h), one template over the trait for
 // every activation and dtype. Each kernel set (portable, AVX2, AVX-512; the
-// choice of cpu_kernels() and relu.h's kActivation512) compiles the same
+// choice of cpu_kernels() and activations.h's kActivation512) compiles the same
 // loop under its own target, where the compiler vectorizes the trait's
 // selects and arithmetic; only packing the 64 mask bits of a block to a
 // word, and back, is written with each set's instructions.

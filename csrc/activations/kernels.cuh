@@ -1,6 +1,6 @@
 // The activations' CUDA kernels: the device code. Same contract as the CPU
 // ones (core/bits.h, activations.h), on the shared loops of core/cuda.cuh;
-// cuda.cu launches them, tests/cuda_emulation.cpp runs them on the CPU.
+// cuda.cu launches them, tests/activations/cuda_emulation.cpp runs them on the CPU.
 #pragma once
 
 #include "activations/activations.h"

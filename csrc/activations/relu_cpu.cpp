@@ -1,5 +1,5 @@
 // CPU kernels. One template per integer width serves all float formats (see
-// relu.h). The instruction set is chosen at run time (AVX-512, AVX2 or
+// core/bits.h). The instruction set is chosen at run time (AVX-512, AVX2 or
 // portable C++), so one binary runs on any x86-64 CPU; no -march flag is
 // needed or wanted. AVX-512 is taken only with BW and VBMI2 (the 16-bit lanes
 // and compress / expand of compact_cpu.cpp), as on Zen 4 and Ice Lake on.

@@ -89,7 +89,7 @@ bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& 
 
 
 #ifdef WITH_CUDA
-// The CUDA replay (relu_cuda.cu): bn_act_cpu's contract with PyTorch's CUDA
+// The CUDA replay (cuda.cu): bn_act_cpu's contract with PyTorch's CUDA
 // transform and terms (bn_terms on CUDA: alpha = [weight; invstd], beta =
 // [mean; bias], 2 x C); with `differ` (an int32 scalar on x's device), the
 // comparison sets it to 1 where an element differs, else y is written.

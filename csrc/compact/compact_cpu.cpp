@@ -4,7 +4,7 @@
 // and one other bit pattern as that bitmap and the pattern (binary_mask /
 // binary_expand). Elements move as the unsigned integers of their width, so
 // every bit pattern (NaN payloads, -0.0, denormals) survives. Bitmaps follow
-// the mask layout of relu.h.
+// the mask layout of core/bits.h.
 //
 // Work is split into chunks of kChunkBytes mask bytes: a first pass counts
 // each chunk's kept elements (popcounts of the mask alone), an exclusive sum

@@ -1,5 +1,5 @@
 // save_compact's CUDA kernels: compaction by a bitmap and the BatchNorm
-// replay (device code). cuda.cu launches them, tests/cuda_emulation.cpp runs
+// replay (device code). cuda.cu launches them, tests/activations/cuda_emulation.cpp runs
 // them on the CPU.
 #pragma once
 

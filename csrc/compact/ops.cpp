@@ -156,7 +156,7 @@ void check_replay(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor
   TORCH_CHECK(x.dim() >= 2, op, ": x has shape ", x.sizes(), "; expected (N, C, ...) with channels in dimension 1");
   const auto opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   // The terms' shape: CPU (alpha, beta) = (invstd * w, b - mean * alpha), C each; CUDA alpha = [w; invstd],
-  // beta = [mean; b], 2 x C (each BatchNorm computes with its own; replay_cpu.cpp, relu_cuda_kernels.cuh).
+  // beta = [mean; b], 2 x C (each BatchNorm computes with its own; replay_cpu.cpp, kernels.cuh).
   const auto shape = x.is_cuda() ? std::vector<int64_t>{2, x.size(1)} : std::vector<int64_t>{x.size(1)};
   using Arg = std::pair<const at::Tensor&, const char*>;
   for (const auto& [t, arg] : {Arg{alpha, "alpha"}, Arg{beta, "beta"}}) {
@@ -253,7 +253,7 @@ TORCH_LIBRARY_FRAGMENT(relu_ext, m) {
   m.def("binary_expand(Tensor mask, Tensor value, SymInt[] size, SymInt[] stride) -> Tensor");
   // save_compact's recipes: an activation output after a BatchNorm rebuilt from
   // the BatchNorm's input and per-channel terms, as PyTorch's kernels on that
-  // device computed it (replay_cpu.cpp, relu_cuda_kernels.cuh): the terms, a
+  // device computed it (replay_cpu.cpp, kernels.cuh): the terms, a
   // bit-for-bit check against the real output (a bool scalar on x's device),
   // and the rebuild. With x2: the activation of BN(x) + BN2(x2), a residual
   // add (x2's terms from weight None, bias -0.0, mean 0 and invstd 1, training,

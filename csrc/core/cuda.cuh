@@ -1,7 +1,7 @@
 // CUDA device code both subsystems' kernels share: the 16-byte packs, their
 // loads and stores, the mask words a warp pools, and the warps' loop over
 // groups of rows. A header that needs nothing from the CUDA runtime, so that
-// tests/cuda_emulation.cpp runs it on the CPU, one fiber per lane.
+// tests/activations/cuda_emulation.cpp runs it on the CPU, one fiber per lane.
 //
 // A warp works on rows of 32 * V elements, each lane one 16-byte vector of V
 // elements (V = 1 when a pointer is not 16-byte aligned, e.g. x[1:]), and

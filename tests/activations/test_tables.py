@@ -1,5 +1,5 @@
 """The tables of activations agree: the C++ trait table (relu_ext._C.install_targets(), from
-csrc/activations.h), the Python table (relu_ext.activations.ACTIVATIONS, which has no row for
+csrc/activations/activations.h), the Python table (relu_ext.activations.ACTIVATIONS, which has no row for
 relu), the test table (tests/cases.py), and the lists outside Python that name activations
 (the CUDA emulation harness's checks, bench/gpu_check.sh's sanitizer selection, the benchmark's
 family rows). A row added to one and not to the others fails here."""
@@ -68,7 +68,7 @@ def test_rows_run_as_their_op():
 
 
 def _trait(op: str) -> str:
-    return "".join(p.capitalize() for p in op.split("_"))  # leaky_relu -> LeakyRelu, csrc/activations.h's
+    return "".join(p.capitalize() for p in op.split("_"))  # leaky_relu -> LeakyRelu, csrc/activations/activations.h's
 
 
 def test_cuda_emulation_checks_every_trait():
