@@ -754,8 +754,9 @@ def test_make_readme_summarises_each_results_file(result, tmp_path):
     for section, case in (("kernels", "bwd"), ("family", "relu6 bwd"), ("kernels", "compact")):
         rows = [r for r in res[section] if (r["dtype"], r["case"]) == ("float32", case)]
         ext = [r["results"]["relu_ext"] for r in rows]
-        want = (f"{min(c['vs_torch'] for c in ext):.2f}-{max(c['vs_torch'] for c in ext):.2f}" if case != "compact"
-                else f"{min(c['of_copy'] for c in ext):.0%}-{max(c['of_copy'] for c in ext):.0%} of copy")
+        fmt, key = (".2f", "vs_torch") if case != "compact" else (".0%", "of_copy")
+        low, high = (format(f(c[key] for c in ext), fmt) for f in (min, max))
+        want = (low if low == high else f"{low}-{high}") + (" of copy" if case == "compact" else "")
         marked = any(r["marks"] or r["results"]["relu_ext"]["marks"] for r in rows)
         assert len(rows) == 2 and markdown_rows(text, [case])["float32"] == want + ("~" if marked else "")
     m = next(r for r in res["memory"]["models"] if (r["model"], r["dtype"]) == ("resnet18", "float32"))
