@@ -78,6 +78,7 @@ SANITIZER_TESTS=(
   "tests/compact/test_compact.py::test_ops_against_a_reference[scalar-32769-torch.bfloat16-cuda]"
   "tests/compact/test_compact.py::test_ops_keep_layouts[scalar-cuda]"
   "tests/compact/test_compact.py::test_restored_bit_for_bit[relu_ext-torch.float64-cuda]"
+  "tests/activations/test_family.py::test_every_op_of_the_table[cuda]"
   "tests/activations/test_family.py::test_bitwise_against_pytorch[scalar-relu6-4097-torch.float32-cuda]"
   "tests/activations/test_family.py::test_bitwise_against_pytorch[scalar-leaky-100003-torch.bfloat16-cuda]"
   "tests/activations/test_family.py::test_bitwise_against_pytorch[scalar-threshold_odd-65-torch.float16-cuda]"

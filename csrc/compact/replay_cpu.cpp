@@ -97,7 +97,7 @@ REPLAY_INLINE void one(const T* __restrict x, const OpMath<T>* __restrict ar, co
 // integer instructions (c10::BFloat16's own operations vectorize poorly;
 // docs/performance.md has the figures). Exact one way; the other is
 // from_m's: round to nearest even, a NaN becomes 0x7FC0. Only the AVX2 set
-// runs it (pick() below).
+// runs it (pick_body() below).
 struct Bf16Block {
   // Eight bfloat16 as floats.
   __attribute__((target("avx2"))) static __m256 load8(const c10::BFloat16* h) {
@@ -335,16 +335,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512dq,avx512bf16
 // compiler's 512-bit loops around them ran slower than the AVX2 code
 // (docs/performance.md).
 template <typename Act, typename T, bool kVerify, bool kRes>
-BodyFn<Act, T, kVerify, kRes> pick() {
+BodyFn<Act, T, kVerify, kRes> pick_body() {
+  using Fn = BodyFn<Act, T, kVerify, kRes>;
 #ifdef RELU_EXT_X86
   static const bool fma = __builtin_cpu_supports("fma");
+  Fn avx512 = nullptr;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     static const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
-    if (fma && bf16 && cpu_kernels() == kAvx512) return &body_avx512bf16<Act, T, kVerify, kRes>;
+    if (bf16) avx512 = &body_avx512bf16<Act, T, kVerify, kRes>;
   } else {
-    if (fma && cpu_kernels() == kAvx512) return &body_avx512<Act, T, kVerify, kRes>;
+    avx512 = &body_avx512<Act, T, kVerify, kRes>;
   }
-  if (fma && cpu_kernels() >= kAvx2) return &body_avx2<Act, T, kVerify, kRes>;
+  if (fma) return pick<Fn>(&body_scalar<Act, T, kVerify, kRes>, &body_avx2<Act, T, kVerify, kRes>, avx512);
 #endif
   return &body_scalar<Act, T, kVerify, kRes>;
 }
@@ -398,7 +400,7 @@ bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& 
       T* yp = const_cast<T*>(y.const_data_ptr<T>());
       const auto run = [&](auto verify_tag, auto res_tag) {
         constexpr bool kVerify = decltype(verify_tag)::value, kRes = decltype(res_tag)::value;
-        const auto fn = pick<Act, T, kVerify, kRes>();
+        const auto fn = pick_body<Act, T, kVerify, kRes>();
         at::parallel_for(0, n, kGrain, [&](int64_t b0, int64_t b1) {
           if (kVerify && differs.load(std::memory_order_relaxed)) return;
           if (fn(in, in2, yp, inner, channels, b0, b1, p) != 0) differs.store(true, std::memory_order_relaxed);

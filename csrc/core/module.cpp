@@ -189,6 +189,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       pybind11::arg("name"), pybind11::arg("x"),
       "The strides of relu_ext::<name>(x)'s output, PyTorch's (for the fake kernels; symbolic under tracing).");
+  m.def(
+      "activation_table",
+      [] {
+        std::vector<std::pair<std::string, std::string>> rows;
+#define X(Act) rows.emplace_back(Act::kName, Act::kNode);
+        RELU_EXT_ACTIVATIONS(X)
+#undef X
+        return rows;
+      },
+      "The activation table (csrc/activations/activations.h): (op name, backward node name) per trait, in "
+      "order; each op's Scalar arguments are its registered schema's.");
   m.def("install_targets", &install_targets, "The aten ops install() can take over, by name.");
   m.def("install", &install, pybind11::arg("ops"),
         "Register relu_ext's kernels for these aten ops (and their in-place forms; idempotent).");

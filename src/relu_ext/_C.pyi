@@ -68,18 +68,10 @@ def set_recompute_probe(probe: Callable[[str, bool], bool]) -> None:
     aten's op, or relu_ext's own), recording a node under saved-tensor hooks,
     must run PyTorch's kernel for op (activation checkpointing, selective too)."""
 
-class ReluExtBackward0:
-    """The backward node's Python type (``y.grad_fn`` of a relu_ext output)."""
-
-    _saved_mask: Tensor
-    next_functions: tuple[tuple[Any, int], ...]
-    def __call__(self, *grads: Tensor) -> Any: ...
-    def name(self) -> str: ...
-
-
-class _FamilyBackward:
-    """A family node's Python type: the mask, and the op's Scalar arguments
-    (as floats, schema order, 0.0 past the op's own)."""
+class _MaskBackward:
+    """A backward node's Python type (``y.grad_fn`` of a relu_ext output): the
+    mask, and the op's Scalar arguments (as floats, schema order, 0.0 past the
+    op's own)."""
 
     _saved_mask: Tensor
     _saved_args: tuple[float, float]
@@ -87,7 +79,9 @@ class _FamilyBackward:
     def __call__(self, *grads: Tensor) -> Any: ...
     def name(self) -> str: ...
 
-class HardtanhExtBackward0(_FamilyBackward): ...
-class LeakyReluExtBackward0(_FamilyBackward): ...
-class ThresholdExtBackward0(_FamilyBackward): ...
-class HardsigmoidExtBackward0(_FamilyBackward): ...
+def __getattr__(name: str) -> type[_MaskBackward]:
+    """Each activation's node type, by its name (activation_table()'s second column, e.g. ReluExtBackward0)."""
+
+def activation_table() -> list[tuple[str, str]]:
+    """The activation table (csrc/activations/activations.h): (op name, backward node name) per trait, in
+    order; each op's Scalar arguments are its registered schema's."""

@@ -30,20 +30,18 @@ from . import export as _export  # noqa: E402, F401  (registers the ONNX and dec
 from ._build import build_info, cuda_available  # noqa: E402
 from .compact import save_compact  # noqa: E402
 from .dispatch import Installation, install, installed, uninstall  # noqa: E402
-from .activations import (  # noqa: E402
-    Hardsigmoid, Hardtanh, LeakyReLU, ReLU6, Threshold, hardsigmoid, hardtanh, leaky_relu, relu6, threshold,
-)
+from . import activations as _activations  # noqa: E402
+from .activations import *  # noqa: E402, F401, F403  (the table's functions and modules: activations.__all__)
 from .dispatch import targets as install_targets  # noqa: E402
 from .export import aten_decompositions  # noqa: E402
-from .ops import ReLU, convert, relu, revert  # noqa: E402
-from .ops import _pairs as _module_pairs  # noqa: E402
+from .swap import convert, revert  # noqa: E402
+from .swap import _pairs as _module_pairs  # noqa: E402
 from . import quantization as _quantization  # noqa: E402
 
 _quantization.register(_module_pairs())  # eager-mode quantization's tables learn relu_ext's modules
 
 __all__ = [
-    "ReLU", "relu", "ReLU6", "relu6", "Hardtanh", "hardtanh", "LeakyReLU", "leaky_relu", "Threshold", "threshold",
-    "Hardsigmoid", "hardsigmoid", "convert", "revert", "install", "uninstall", "installed", "install_targets",
+    *_activations.__all__, "convert", "revert", "install", "uninstall", "installed", "install_targets",
     "Installation", "aten_decompositions", "save_compact", "cuda_available", "build_info",
 ]
 __version__ = "0.1.0"
@@ -57,7 +55,5 @@ if not _C.with_cuda:
     _build.warn_if_gpu_unused(False, _torch.cuda.is_available())
 
 # Pickles and reprs name the public path.
-for _public in (ReLU, relu, ReLU6, relu6, Hardtanh, hardtanh, LeakyReLU, leaky_relu, Threshold, threshold, Hardsigmoid,
-                hardsigmoid, Installation, install, uninstall, installed, install_targets, aten_decompositions,
-                save_compact):
-    _public.__module__ = __name__
+for _name in __all__:
+    globals()[_name].__module__ = __name__

@@ -1,33 +1,48 @@
-"""The family beyond ReLU: ``hardtanh`` / ``relu6``, ``leaky_relu``, ``threshold``, ``hardsigmoid``.
+"""The activations: ``relu``, ``hardtanh`` / ``relu6``, ``leaky_relu``, ``threshold``, ``hardsigmoid``.
 
-Each is a drop-in for its ``torch.nn.functional`` twin (same signature, values
-and gradients) and each module subclasses its ``torch.nn`` class. PyTorch's
-own backward keeps the activation's *input* for these (a full tensor no other
-layer holds); relu_ext's keeps a 1-bit mask instead. The op list is
-:data:`ACTIVATIONS`, declared once (the C++ side: ``csrc/activations/activations.h``);
-fake kernels, vmap rules, exporters, ``install()``, ``convert()`` and
-``save_compact()`` are generated from it.
+Each function is a drop-in for its ``torch.nn.functional`` twin (same
+signature, values and gradients) and each module subclasses its ``torch.nn``
+class. Where a gradient is needed, backward keeps a 1-bit mask per element
+instead of the input or output PyTorch keeps. :data:`ACTIVATIONS` lists them
+once; its op names, backward nodes and Scalar arguments are read from the C++
+trait table (``csrc/activations/activations.h``), so they are not spelled
+again here. Fake kernels, vmap rules, exporters, ``install()``,
+``convert()`` and ``save_compact()`` are generated from it.
+
+The native ops of an activation ``<name>`` (csrc/activations/family.cpp) are:
+
+- ``<name>(x, *args) -> y`` and ``<name>_(x, *args)``: the public ops.
+  Differentiable (forward and reverse mode); when a gradient is needed they
+  write a mask, else not.
+- ``<name>_fwd(x, *args) -> (y, mask)``, ``<name>_fwd_(x, *args) -> mask`` and
+  ``<name>_bwd(grad, mask, *args) -> grad_in``: the training pieces behind them.
+
+``mask`` holds one bit per element (``ceil(n / 8)`` uint8 bytes), the
+element's backward predicate (relu: ``!(y <= 0)``) for the ``k``-th element in
+memory order, so an fp32 activation costs 1 bit instead of 32.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (loads the native library: the ops must exist first)
+from . import _C, registrations  # noqa: F401  (the native ops, their fake kernels and vmap rules)
 from .quantization import refuse_fx_tracing
 
 _ops = torch.ops.relu_ext
-# Module-level names for what each call uses (see ops.py's relu): TorchScript
-# and Dynamo recognise these functions by identity.
+# Module-level names for what each call uses: attribute lookups cost as much as
+# the call itself at 1K elements. TorchScript and Dynamo recognise these
+# functions by identity, so the aliases keep their special meaning.
 _is_scripting = torch.jit.is_scripting
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _has_torch_function_unary = torch._C._has_torch_function_unary
 _eager_act = _C.act
+_eager_relu = _C.relu
 _NUMBERS = (float, int, bool)  # what _C.act takes as Scalars, as torch.ops converts them
 
 
@@ -50,26 +65,77 @@ def _eager(name: str, input: Tensor, inplace: Any, a0: float = 0.0, a1: float = 
     return _eager_act(name, input, inplace is True or (inplace is not False and bool(inplace)), a0, a1)
 
 
+_NODES = dict(_C.activation_table())  # op name -> backward node name, from the C++ traits
+
+
 @dataclass(frozen=True)
 class Activation:
-    """One entry of the activation table.
+    """One row of the activation table.
 
     Attributes:
         name: the op's name (``relu_ext::<name>``, PyTorch's ``aten::<name>``).
-        params: its Scalar arguments, in schema order.
-        node: relu_ext's backward node (``grad_fn.name()``).
-        torch_node: PyTorch's backward node of the out-of-place op.
+        functions: relu_ext's public functions running the op.
         modules: the ``torch.nn`` classes ``convert()`` replaces, with relu_ext's own.
         zeros: given the op's arguments, whether its outputs are mostly zeros,
             so that ``save_compact()`` compacts them where later layers keep them.
+        params: its Scalar arguments, in schema order (the registered schema's).
+        node: relu_ext's backward node (``grad_fn.name()``; the C++ trait's ``kNode``).
+        torch_node: PyTorch's backward node of the out-of-place op.
     """
 
     name: str
-    params: tuple[str, ...]
-    node: str
-    torch_node: str
+    functions: tuple[Callable[..., Tensor], ...]
     modules: tuple[tuple[type, type], ...]
     zeros: Callable[[tuple[float, ...]], bool]
+    params: tuple[str, ...] = field(init=False)
+    node: str = field(init=False)
+    torch_node: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.name not in _NODES:
+            raise ValueError(f"relu_ext: no C++ trait for activation {self.name!r} (csrc/activations/activations.h)")
+        schema = getattr(_ops, self.name).default._schema
+        object.__setattr__(self, "params", tuple(a.name for a in schema.arguments[1:]))
+        object.__setattr__(self, "node", _NODES[self.name])
+        # PyTorch names its node after the op as relu_ext does, without "Ext".
+        object.__setattr__(self, "torch_node", _NODES[self.name].replace("ExtBackward0", "Backward0"))
+
+
+def relu(input: Tensor, inplace: bool = False) -> Tensor:
+    """Drop-in for :func:`torch.nn.functional.relu`: same values, gradients and ``inplace`` semantics.
+
+    When a gradient is needed, backward keeps a 1-bit-per-element mask instead
+    of the output. Integer tensors work as with :func:`torch.relu`.
+
+    Args:
+        input (Tensor): the input.
+        inplace (bool): overwrite ``input`` (an error on a leaf that requires
+            grad, as in PyTorch). Any truthy value counts, as in PyTorch.
+            Default: ``False``.
+
+    Returns:
+        Tensor: ``max(input, 0)``; ``input`` itself when ``inplace``.
+
+    Example::
+
+        >>> relu_ext.relu(torch.tensor([-1.0, 0.0, 2.0]))
+        tensor([0., 0., 2.])
+    """
+    # Eager plain tensors go straight into C++ (_C.relu calls the same ops).
+    # TorchScript, Dynamo, tensor subclasses, __torch_function__ modes and FX
+    # proxies need the op called from Python, where they can see it.
+    if not _is_scripting():
+        if not (_is_dynamo_compiling() or _has_torch_function_unary(input)):
+            if inplace is not False and inplace is not True:
+                # F.relu takes any truthy value (nn.ReLU(inplace='yes') too);
+                # pybind11 takes a bool, None or a number, not e.g. a string.
+                inplace = bool(inplace)
+            return _eager_relu(input, inplace)
+        refuse_fx_tracing(input, "relu")
+    if inplace:
+        _ops.relu_(input)
+        return input
+    return _ops.relu(input)
 
 
 def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Tensor:
@@ -237,6 +303,34 @@ def _warn_torchscript(module: torch.nn.Module, how: str) -> None:
     )
 
 
+class ReLU(TorchScriptNote, torch.nn.ReLU):
+    """Drop-in for :class:`torch.nn.ReLU`, running :func:`relu_ext.relu`.
+
+    A subclass (see ``help(torch.nn.ReLU)``): same constructor, attributes,
+    repr, ``state_dict`` and pickling; backward keeps a 1-bit mask instead of
+    the output.
+
+    TorchScript: a scripted model that runs relu_ext's modules records
+    ``relu_ext::`` ops, so ``torch.jit.load`` of its archive needs
+    ``import relu_ext`` first (else ``Unknown builtin op: relu_ext::relu_``);
+    :func:`relu_ext.revert` the model before scripting and saving it for an
+    archive that loads without relu_ext.
+
+    Args:
+        inplace (bool): overwrite the input. Default: ``False``.
+
+    Example::
+
+        >>> m = relu_ext.ReLU()
+        >>> m(torch.tensor([-1.0, 2.0]))
+        tensor([0., 2.])
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Apply :func:`relu_ext.relu` with this module's ``inplace``."""
+        return relu(input, self.inplace)
+
+
 class Hardtanh(TorchScriptNote, torch.nn.Hardtanh):
     """Drop-in for :class:`torch.nn.Hardtanh`, running :func:`relu_ext.hardtanh`.
 
@@ -353,12 +447,13 @@ class Hardsigmoid(TorchScriptNote, torch.nn.Hardsigmoid):
 
 
 ACTIVATIONS: tuple[Activation, ...] = (
-    Activation("hardtanh", ("min_val", "max_val"), "HardtanhExtBackward0", "HardtanhBackward0",
-               ((torch.nn.Hardtanh, Hardtanh), (torch.nn.ReLU6, ReLU6)), lambda a: a[0] == 0),
-    Activation("leaky_relu", ("negative_slope",), "LeakyReluExtBackward0", "LeakyReluBackward0",
-               ((torch.nn.LeakyReLU, LeakyReLU),), lambda a: False),
-    Activation("threshold", ("threshold", "value"), "ThresholdExtBackward0", "ThresholdBackward0",
-               ((torch.nn.Threshold, Threshold),), lambda a: a[1] == 0),
-    Activation("hardsigmoid", (), "HardsigmoidExtBackward0", "HardsigmoidBackward0",
-               ((torch.nn.Hardsigmoid, Hardsigmoid),), lambda a: True),
+    Activation("relu", (relu,), ((torch.nn.ReLU, ReLU),), lambda a: True),
+    Activation("hardtanh", (hardtanh, relu6), ((torch.nn.Hardtanh, Hardtanh), (torch.nn.ReLU6, ReLU6)),
+               lambda a: a[0] == 0),
+    Activation("leaky_relu", (leaky_relu,), ((torch.nn.LeakyReLU, LeakyReLU),), lambda a: False),
+    Activation("threshold", (threshold,), ((torch.nn.Threshold, Threshold),), lambda a: a[1] == 0),
+    Activation("hardsigmoid", (hardsigmoid,), ((torch.nn.Hardsigmoid, Hardsigmoid),), lambda a: True),
 )
+"""The activation table, one row per op of the C++ trait table, in its order."""
+
+__all__ = [obj.__name__ for act in ACTIVATIONS for obj in (*act.functions, *(ours for _, ours in act.modules))]

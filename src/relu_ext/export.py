@@ -23,8 +23,7 @@ import torch.onnx.symbolic_opset9
 import torch.onnx.symbolic_opset11
 from torch import Tensor
 
-from . import ops  # noqa: F401  (loads the native library: the ops must exist first)
-from .activations import ACTIVATIONS
+from .activations import ACTIVATIONS  # (loads the native library: the ops must exist first)
 
 _ONNX_MIN_OPSET = 7  # the oldest opset the TorchScript exporter targets; Relu has been in ONNX since opset 1
 
@@ -33,20 +32,12 @@ def _relu_symbolic(g: torch._C.Graph, x: torch._C.Value) -> torch._C.Value:
     return g.op("Relu", x)
 
 
+# Below opset 9, where PyTorch's symbolics start: ONNX has had Relu since opset 1.
 torch.onnx.register_custom_op_symbolic("relu_ext::relu", _relu_symbolic, _ONNX_MIN_OPSET)
 
 
-@torch._decomp.register_decomposition(torch.ops.relu_ext.relu.default)
-def _relu_decomposition(x: Tensor) -> Tensor:
-    return torch.ops.aten.relu.default(x)
-
-
-def _relu_inplace_decomposition(x: Tensor) -> None:
-    torch.ops.aten.relu_.default(x)
-
-
-def _family_exporters(name: str) -> None:
-    """The same for an activation of the family: its aten op, and PyTorch's own ONNX symbolic for it."""
+def _exporters(name: str) -> None:
+    """An activation's decompositions to its aten op, and PyTorch's own ONNX symbolic for that op."""
     aten, aten_ = getattr(torch.ops.aten, name).default, getattr(torch.ops.aten, f"{name}_").default
     ours, ours_ = getattr(torch.ops.relu_ext, name).default, getattr(torch.ops.relu_ext, f"{name}_").default
 
@@ -57,7 +48,7 @@ def _family_exporters(name: str) -> None:
         aten_(x, *args)
 
     torch._decomp.register_decomposition(ours)(decomposition)
-    _FAMILY_TABLE[ours], _FAMILY_TABLE[ours_] = decomposition, inplace_decomposition
+    _TABLE[ours], _TABLE[ours_] = decomposition, inplace_decomposition
     # PyTorch's own symbolics, each from the opset that introduced it (Clip
     # takes its bounds as inputs from opset 11 on), so both exporters write
     # exactly what they write for PyTorch's op.
@@ -67,9 +58,9 @@ def _family_exporters(name: str) -> None:
             torch.onnx.register_custom_op_symbolic(f"relu_ext::{name}", symbolic, opset)
 
 
-_FAMILY_TABLE: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+_TABLE: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
 for _act in ACTIVATIONS:
-    _family_exporters(_act.name)
+    _exporters(_act.name)
 
 
 def aten_decompositions() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
@@ -90,7 +81,5 @@ def aten_decompositions() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
         torch.export.save(ep, "model.pt2")      # aten ops only: loads without relu_ext
     """
     table = dict(torch.export.default_decompositions())
-    table[torch.ops.relu_ext.relu.default] = _relu_decomposition
-    table[torch.ops.relu_ext.relu_.default] = _relu_inplace_decomposition
-    table.update(_FAMILY_TABLE)
+    table.update(_TABLE)
     return table

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import relu_ext
-from cases import (BY_ID, CASE_IDS, CASES, FUNC_CASES, REPRESENTATIVE_IDS, REPRESENTATIVES, assert_family_equal,
+from cases import (BY_ID, CASE_IDS, CASES, FUNC_CASES, ONE_PER_OP, REPRESENTATIVE_IDS, REPRESENTATIVES, assert_family_equal,
                    grad_at_nan, run_case, with_edges)
 from conftest import DEVICES, DTYPES, adversarial, bits, layouts, node_names
 
@@ -63,6 +63,17 @@ def test_inplace_bitwise_against_pytorch(case, dtype, device, cpu_isa):
             run_case(c, "relu_ext", vc, inplace=True)
             run_case(c, "torch", vd, inplace=True)
         assert_family_equal(vc, vd, f"in-place no-grad {name}", case=c)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_op_of_the_table(device):
+    """The two tests above for one row per op of the table, at a few sizes and one dtype each: the
+    test bench/gpu_check.sh's sanitizer runs for every op, so that an op added to the tables runs
+    under compute-sanitizer without a line of its own."""
+    for c in ONE_PER_OP:
+        for n, dtype in ((65, torch.float16), (4097, torch.float32), (1023, torch.float64), (100_003, torch.bfloat16)):
+            test_bitwise_against_pytorch(c.id, n, dtype, device, None)
+        test_inplace_bitwise_against_pytorch(c.id, torch.float32, device, None)
 
 
 OPINFO = {f"nn.functional.{c.name}": getattr(relu_ext, c.name) for c in REPRESENTATIVES}
@@ -463,19 +474,28 @@ def _scripted_relu6(t: torch.Tensor) -> torch.Tensor:
     return F.relu6(t)
 
 
+def _table_entry_points() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]]:
+    """Each public function of the family (its representative row): torch.nn.functional's and the
+    in-place torch.nn module (relu's: test_install.py)."""
+    entries = {}
+    for c in REPRESENTATIVES:
+        if c.op != "relu":
+            kind = c.node.removesuffix("ExtBackward0")
+            entries[f"F.{c.name}"] = (lambda t, f=getattr(F, c.name), a=c.module_args: f(t, *a), kind)
+            entries[f"nn.{c.module.__name__}-inplace"] = (c.module(*c.module_args, inplace=True), kind)
+    return entries
+
+
+# Those, and other spellings of the same ops.
 ENTRY_POINTS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
-    "F.relu6": (F.relu6, "Hardtanh"),
+    **_table_entry_points(),
     "F.relu6-inplace": (lambda t: F.relu6(t, inplace=True), "Hardtanh"),
     "nn.ReLU6": (torch.nn.ReLU6(), "Hardtanh"),
-    "nn.ReLU6-inplace": (torch.nn.ReLU6(inplace=True), "Hardtanh"),
-    "F.hardtanh": (lambda t: F.hardtanh(t, -0.5, 2.0), "Hardtanh"),
+    "F.hardtanh-odd": (lambda t: F.hardtanh(t, -0.5, 2.0), "Hardtanh"),
     "torchscript-relu6": (_scripted_relu6, "Hardtanh"),
-    "F.leaky_relu": (lambda t: F.leaky_relu(t, 0.1), "LeakyRelu"),
-    "nn.LeakyReLU-inplace": (torch.nn.LeakyReLU(0.2, inplace=True), "LeakyRelu"),
-    "F.threshold": (lambda t: F.threshold(t, 0.1, 20.0), "Threshold"),
+    "F.leaky_relu-0.1": (lambda t: F.leaky_relu(t, 0.1), "LeakyRelu"),
+    "F.threshold-odd": (lambda t: F.threshold(t, 0.1, 20.0), "Threshold"),
     "torch.threshold_": (lambda t: torch.threshold_(t, 0.0, 0.0), "Threshold"),
-    "F.hardsigmoid": (F.hardsigmoid, "Hardsigmoid"),
-    "nn.Hardsigmoid-inplace": (torch.nn.Hardsigmoid(inplace=True), "Hardsigmoid"),
 }
 
 

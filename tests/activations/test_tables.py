@@ -1,6 +1,6 @@
-"""The tables of activations agree: the C++ trait table (relu_ext._C.install_targets(), from
-csrc/activations/activations.h), the Python table (relu_ext.activations.ACTIVATIONS, which has no row for
-relu), the test table (tests/cases.py), and the lists outside Python that name activations
+"""The tables of activations agree: the C++ trait table (relu_ext._C.activation_table(), from
+csrc/activations/activations.h), the Python table (relu_ext.activations.ACTIVATIONS, whose names, nodes
+and parameters are read from it), the test table (tests/cases.py), and the lists outside Python that name activations
 (the CUDA emulation harness's checks, bench/gpu_check.sh's sanitizer selection, the benchmark's
 family rows). A row added to one and not to the others fails here."""
 
@@ -22,28 +22,42 @@ from relu_ext.activations import ACTIVATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = {a.name: a for a in ACTIVATIONS}
-RELU_MODULES = ((torch.nn.ReLU, relu_ext.ReLU),)  # relu's, which ACTIVATIONS does not list
 
 
 def test_every_op_is_in_every_table():
-    """Each C++ trait has a Python row (or is relu) and a test row, and each of these a trait."""
-    cpp = list(_C.install_targets())
+    """Each C++ trait has a Python row and a test row, in the same order, and each of these a trait;
+    the Python rows' nodes and parameters are the C++ traits' and the registered schemas'."""
+    cpp = [name for name, _ in _C.activation_table()]
     assert len(set(cpp)) == len(cpp), cpp
-    assert set(cpp) == {"relu"} | set(PY), f"C++ traits {sorted(cpp)} vs Python table {sorted(PY)} and relu"
-    assert set(OPS) == set(cpp), f"test table {OPS} vs C++ traits {cpp}"
+    assert list(PY) == cpp, f"C++ traits {cpp} vs Python table {list(PY)}"
+    assert OPS == cpp, f"test table {OPS} vs C++ traits {cpp}"
     assert list(relu_ext.install_targets()) == cpp
+    for (name, node), act in zip(_C.activation_table(), ACTIVATIONS):
+        schema = getattr(torch.ops.relu_ext, name).default._schema
+        assert act.node == node and act.params == tuple(a.name for a in schema.arguments[1:]), name
+        aten = [a.name for a in getattr(torch.ops.aten, name).default._schema.arguments[1:]]
+        assert list(act.params) == aten, f"{name}: relu_ext's Scalars {act.params} vs aten's {aten}"
+    with pytest.raises(ValueError, match="no C.. trait"):
+        type(ACTIVATIONS[0])("gelu", (), (), lambda a: False)
+
+
+def test_public_names_come_from_the_table():
+    """relu_ext exports each row's functions and modules, and nothing of the table is spelled twice."""
+    names = [f.__name__ for a in ACTIVATIONS for f in a.functions] + [m.__name__ for a in ACTIVATIONS
+                                                                      for _, m in a.modules]
+    assert set(names) <= set(relu_ext.__all__) and len(set(names)) == len(names), names
+    for name in names:
+        assert getattr(relu_ext, name).__module__ == "relu_ext", name
 
 
 def test_rows_match_the_python_table():
     """Each test row's arguments, modules and node are the Python table's for its op."""
     for c in CASES:
-        params = () if c.op == "relu" else PY[c.op].params
+        params = PY[c.op].params
         assert len(c.args) == len(params), f"{c.id}: {c.args} for {c.op}{params}"
-        node = "ReluExtBackward0" if c.op == "relu" else PY[c.op].node
-        assert c.node == node, c.id
-        modules = RELU_MODULES if c.op == "relu" else PY[c.op].modules
-        assert (c.module, c.ours_module) in modules, f"{c.id}: {c.module.__name__} is not a module of {c.op}"
-    in_python = set(RELU_MODULES) | {m for a in ACTIVATIONS for m in a.modules}
+        assert c.node == PY[c.op].node, c.id
+        assert (c.module, c.ours_module) in PY[c.op].modules, f"{c.id}: {c.module.__name__} is not a module of {c.op}"
+    in_python = {m for a in ACTIVATIONS for m in a.modules}
     assert {(c.module, c.ours_module) for c in CASES} == in_python, "a module with no test row, or a row with none"
 
 
@@ -63,8 +77,7 @@ def test_rows_run_as_their_op():
     x = torch.randn(16, requires_grad=True)
     for c in CASES:
         assert run_case(c, "relu_ext", x * 1).grad_fn.name() == c.node, c.id
-        want = "ReluBackward0" if c.op == "relu" else PY[c.op].torch_node
-        assert run_case(c, "torch", x * 1).grad_fn.name() == want, c.id
+        assert run_case(c, "torch", x * 1).grad_fn.name() == PY[c.op].torch_node, c.id
 
 
 def _trait(op: str) -> str:
@@ -83,15 +96,18 @@ def test_cuda_emulation_checks_every_trait():
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_check_sanitizer_selection_covers_every_op():
-    """bench/gpu_check.sh's sanitizer selection runs each op's CUDA kernels: relu through
-    test_exact.py, the family through test_family.py's rows (named by the test table's ids)."""
+    """bench/gpu_check.sh's sanitizer selection runs each op's CUDA kernels: every op of the test
+    table through test_family.py's test_every_op_of_the_table, relu through test_exact.py too, and
+    some family rows (named by the test table's ids) at more sizes and dtypes."""
     out = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--list-sanitizer-tests"],
                          capture_output=True, text=True, timeout=60, check=True).stdout.split()
     covered = set()
     for entry in out:
         if entry.startswith("tests/activations/test_exact.py::"):
             covered.add("relu")
-        if entry.startswith("tests/activations/test_family.py::"):
+        if entry == "tests/activations/test_family.py::test_every_op_of_the_table[cuda]":
+            covered.update(OPS)  # it loops over one row per op of the table
+        elif entry.startswith("tests/activations/test_family.py::"):
             case = entry.split("[", 1)[1].rstrip("]").split("-")[1]
             assert case in BY_ID, f"{entry}: no row {case!r} in tests/cases.py"
             covered.add(BY_ID[case].op)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import relu_ext
+from relu_ext.activations import ACTIVATIONS
 
 ops = torch.ops.relu_ext
 IMPLS = ["torch", "torch_out", "compile", "triton", "seed", "relu_ext", "installed"]
@@ -251,16 +252,26 @@ def small_cases(x: Tensor, impls: list[str]) -> Cases:
     return {c: v for c, v in cases.items() if v}
 
 
-# The family's kernel rows: (label, op name, Scalar arguments, PyTorch's forward / backward).
-FAMILY = [
-    ("relu6", "hardtanh", (0.0, 6.0), lambda x: F.hardtanh(x, 0.0, 6.0),
-     lambda g, x: torch.ops.aten.hardtanh_backward(g, x, 0.0, 6.0)),
-    ("leaky_relu", "leaky_relu", (0.1,), lambda x: F.leaky_relu(x, 0.1),
-     lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, 0.1, False)),
-    ("threshold", "threshold", (0.1, 0.0), lambda x: F.threshold(x, 0.1, 0.0),
-     lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.1)),
-    ("hardsigmoid", "hardsigmoid", (), F.hardsigmoid, lambda g, x: torch.ops.aten.hardsigmoid_backward(g, x)),
-]
+# The arguments the family's kernel rows measure, where an op's defaults are not the typical use
+# (labelled as that use); any other activation of the table is measured with its schema's defaults.
+_TYPICAL = {"hardtanh": ("relu6", (0.0, 6.0)), "leaky_relu": ("leaky_relu", (0.1,)), "threshold": ("threshold", (0.1, 0.0))}
+
+
+def _family_row(name: str) -> tuple[str, str, tuple[float, ...], Callable[..., Tensor], Callable[..., Tensor]]:
+    """(label, op name, Scalar arguments, PyTorch's forward, PyTorch's backward) of one activation:
+    ``F.<name>`` and ``aten.<name>_backward``, which reads the saved input, with those arguments."""
+    params = [a for a in getattr(torch.ops.aten, name).default._schema.arguments[1:]]
+    label, args = _TYPICAL.get(name, (name, tuple(float(a.default_value) if a.has_default_value() else 0.0
+                                                  for a in params)))
+    named = {a.name: v for a, v in zip(params, args)}
+    backward = getattr(torch.ops.aten, f"{name}_backward").default
+    # Its other arguments: the saved tensor is the input (leaky_relu_backward's self_is_result).
+    extra = [named.get(a.name, False) for a in backward._schema.arguments[2:]]
+    return (label, name, args, lambda x: getattr(F, name)(x, *args), lambda g, x: backward(g, x, *extra))
+
+
+# The family's kernel rows: every activation of the table but relu (which has its own section).
+FAMILY = [_family_row(act.name) for act in ACTIVATIONS if act.name != "relu"]
 FAMILY_CASES = [f"{label} {case}" for label, *_ in FAMILY for case in ("fwd", "fwd (train)", "bwd", "in-place")]
 
 

@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-_RELU_NODES = frozenset({"ReluBackward0", "ReluExtBackward0"})
 # BatchNorm nodes whose output the replay rebuilds: PyTorch's kernels (CPU, CUDA), and cuDNN's,
 # which the CUDA replay matches where its verification says so.
 _BN_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
@@ -23,7 +22,7 @@ _BN_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
 _CAT, _MAX_POOL = "CatBackward0", "MaxPool2DWithIndicesBackward0"
 
 
-def _family_nodes() -> dict[str, tuple[Any, bool]]:
+def _activation_nodes() -> dict[str, tuple[Any, bool]]:
     """Node name -> (its activation, whether it is relu_ext's), from the activation table."""
     from ..activations import ACTIVATIONS
 
@@ -34,7 +33,8 @@ def _family_nodes() -> dict[str, tuple[Any, bool]]:
     return nodes
 
 
-_FAMILY_NODES = _family_nodes()
+_ACTIVATION_NODES = _activation_nodes()
+_RELU_EXT_NODE = next(name for name, (act, ours) in _ACTIVATION_NODES.items() if act.name == "relu" and ours)
 
 
 def _activation_args(fn: Any, act: Any, ours: bool) -> tuple[Any, ...]:
@@ -50,10 +50,7 @@ def _mostly_zeros(fn: Any) -> bool:
     0, hardsigmoid). PyTorch's nodes keep some arguments (``_saved_min_val``),
     relu_ext's keep them all (``_saved_args``); an argument not kept counts as no.
     Checked on torch 2.11, 2.14.1 and 2.15.0."""
-    name = fn.name()
-    if name in _RELU_NODES:
-        return True
-    hit = _FAMILY_NODES.get(name)
+    hit = _ACTIVATION_NODES.get(fn.name())
     if hit is None:
         return False
     act, ours = hit
@@ -64,10 +61,7 @@ def _activation_of(fn: Any) -> tuple[str, list[float]] | None:
     """The op and Scalar arguments of the activation whose node is `fn`, as the
     replay takes them, or None (another node, or PyTorch's ThresholdBackward0,
     which does not keep ``value``). Checked on torch 2.11, 2.14.1 and 2.15.0."""
-    name = fn.name()
-    if name in _RELU_NODES:
-        return "relu", []
-    hit = _FAMILY_NODES.get(name)
+    hit = _ACTIVATION_NODES.get(fn.name())
     if hit is None:
         return None
     act, ours = hit
@@ -81,7 +75,7 @@ def _after_batchnorm(fn: Any) -> bool:
     """Whether `fn` is an activation node whose input is a BatchNorm output the replay takes, or
     a residual add (``AddBackward0``, alpha 1) of one and another tensor (see ``_replayed``).
     Checked on torch 2.11, 2.14.1 and 2.15.0."""
-    if fn.name() not in _RELU_NODES and fn.name() not in _FAMILY_NODES:
+    if fn.name() not in _ACTIVATION_NODES:
         return False
     prev = fn.next_functions[0][0] if fn.next_functions else None
     if prev is None:
@@ -137,7 +131,7 @@ def _relu_ext_mask(t: Tensor) -> Tensor | None:
     """The mask relu_ext's ReLU node saved for `t`, its output; None where another node made `t`.
     Checked on torch 2.11, 2.14.1 and 2.15.0."""
     fn = t.grad_fn
-    return fn._saved_mask if fn.name() == "ReluExtBackward0" else None
+    return fn._saved_mask if fn.name() == _RELU_EXT_NODE else None
 
 
 class _Saved(NamedTuple):

@@ -1,15 +1,6 @@
-"""The drop-in API: ``relu``, ``ReLU``, ``convert``, ``revert``.
+"""``convert`` and ``revert``: swap a model's ``torch.nn`` activation modules for relu_ext's, and back.
 
-The native ops (generated for every activation of the table in csrc/activations/family.cpp) are:
-
-- ``relu(x) -> y`` and ``relu_(x)``: the public ops. Differentiable (forward
-  and reverse mode); when a gradient is needed they write a mask, else not.
-- ``relu_fwd(x) -> (y, mask)``, ``relu_fwd_(x) -> mask`` and
-  ``relu_bwd(grad, mask) -> grad_in``: the training pieces behind them.
-
-``mask`` holds one bit per element (``ceil(n / 8)`` uint8 bytes): bit ``k`` is
-``!(y <= 0)`` for the ``k``-th element of ``y`` in memory order. Backward saves
-only that mask, so an fp32 activation costs 1 bit instead of 32.
+The pairs come from the activation table (:data:`relu_ext.activations.ACTIVATIONS`).
 """
 
 from __future__ import annotations
@@ -19,86 +10,10 @@ import warnings
 from collections import Counter
 
 import torch
-from torch import Tensor
 
-from . import _C, registrations  # noqa: F401  (registrations: fake kernels and vmap rules)
-from .activations import TorchScriptNote
-from .quantization import refuse_fx_tracing
+from .activations import ACTIVATIONS
 
-_ops = torch.ops.relu_ext
-# Module-level names for what relu() calls each time: attribute lookups cost
-# as much as the call itself at 1K elements. TorchScript and Dynamo recognise
-# these functions by identity, so the aliases keep their special meaning.
-_is_scripting = torch.jit.is_scripting
-_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
-_has_torch_function_unary = torch._C._has_torch_function_unary
-_eager_relu = _C.relu
 _log = logging.getLogger("relu_ext")
-
-
-def relu(input: Tensor, inplace: bool = False) -> Tensor:
-    """Drop-in for :func:`torch.nn.functional.relu`: same values, gradients and ``inplace`` semantics.
-
-    When a gradient is needed, backward keeps a 1-bit-per-element mask instead
-    of the output. Integer tensors work as with :func:`torch.relu`.
-
-    Args:
-        input (Tensor): the input.
-        inplace (bool): overwrite ``input`` (an error on a leaf that requires
-            grad, as in PyTorch). Any truthy value counts, as in PyTorch.
-            Default: ``False``.
-
-    Returns:
-        Tensor: ``max(input, 0)``; ``input`` itself when ``inplace``.
-
-    Example::
-
-        >>> relu_ext.relu(torch.tensor([-1.0, 0.0, 2.0]))
-        tensor([0., 0., 2.])
-    """
-    # Eager plain tensors go straight into C++ (_C.relu calls the same ops).
-    # TorchScript, Dynamo, tensor subclasses, __torch_function__ modes and FX
-    # proxies need the op called from Python, where they can see it.
-    if not _is_scripting():
-        if not (_is_dynamo_compiling() or _has_torch_function_unary(input)):
-            if inplace is not False and inplace is not True:
-                # F.relu takes any truthy value (nn.ReLU(inplace='yes') too);
-                # pybind11 takes a bool, None or a number, not e.g. a string.
-                inplace = bool(inplace)
-            return _eager_relu(input, inplace)
-        refuse_fx_tracing(input, "relu")
-    if inplace:
-        _ops.relu_(input)
-        return input
-    return _ops.relu(input)
-
-
-class ReLU(TorchScriptNote, torch.nn.ReLU):
-    """Drop-in for :class:`torch.nn.ReLU`, running :func:`relu_ext.relu`.
-
-    A subclass (see ``help(torch.nn.ReLU)``): same constructor, attributes,
-    repr, ``state_dict`` and pickling; backward keeps a 1-bit mask instead of
-    the output.
-
-    TorchScript: a scripted model that runs relu_ext's modules records
-    ``relu_ext::`` ops, so ``torch.jit.load`` of its archive needs
-    ``import relu_ext`` first (else ``Unknown builtin op: relu_ext::relu_``);
-    :func:`relu_ext.revert` the model before scripting and saving it for an
-    archive that loads without relu_ext.
-
-    Args:
-        inplace (bool): overwrite the input. Default: ``False``.
-
-    Example::
-
-        >>> m = relu_ext.ReLU()
-        >>> m(torch.tensor([-1.0, 2.0]))
-        tensor([0., 2.])
-    """
-
-    def forward(self, input: Tensor) -> Tensor:
-        """Apply :func:`relu_ext.relu` with this module's ``inplace``."""
-        return relu(input, self.inplace)
 
 
 def _swap(module: torch.nn.Module, mapping: dict[type, type], done: dict[int, torch.nn.Module],
@@ -123,10 +38,8 @@ def _swap(module: torch.nn.Module, mapping: dict[type, type], done: dict[int, to
 
 
 def _pairs() -> list[tuple[type, type]]:
-    """(torch.nn class, relu_ext class) for ReLU and every activation of the family."""
-    from .activations import ACTIVATIONS
-
-    return [(torch.nn.ReLU, ReLU)] + [pair for act in ACTIVATIONS for pair in act.modules]
+    """(torch.nn class, relu_ext class) for every activation of the table."""
+    return [pair for act in ACTIVATIONS for pair in act.modules]
 
 
 def _name(cls: type) -> str:
