@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from .deferred import Deferred
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -26,7 +27,7 @@ def _same_bits_on_device(pairs: list[tuple[Tensor, Tensor]]) -> bool:
     if any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in pairs):
         raise ValueError("relu_ext: _same_bits compares tensors of the same shape, dtype and device")
     differ = [a.view(_INTS[a.element_size()]).ne(b.view(_INTS[b.element_size()])).any() for a, b in pairs]
-    return not bool(torch.stack(differ).any())
+    return not Deferred(torch.stack(differ).any()).flag()
 
 
 def _memory_order(t: Tensor) -> Tensor:

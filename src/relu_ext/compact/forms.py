@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .bits import _bool_bits, _bools_of, _same_bits
+from .deferred import Deferred
 from .graph import _inputs
 
 _ops = torch.ops.relu_ext
@@ -270,7 +271,7 @@ class Narrowed(_Shared):
         t = self.tensor
         if t is None or t._version != self.version:  # (changed in place: restore() raises PyTorch's error)
             return False
-        lo, hi = (int(v) for v in torch.aminmax(t))
+        lo, hi = Deferred(torch.stack(torch.aminmax(t))).ints()
         bits = torch.iinfo(t.dtype).bits
         fits = [d for d in _NARROWER if torch.iinfo(d).bits < bits and torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
         if not fits:
@@ -330,7 +331,7 @@ class TwoValued(_Shared):
         if t.dtype == torch.bool:
             return TwoValued(_bool_bits(t), None, t)
         mask, value, ok = _ops.binary_mask(t)
-        return TwoValued(mask, value, t) if bool(ok) else None
+        return TwoValued(mask, value, t) if Deferred(ok).flag() else None
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .bits import _same_bits
+from .deferred import Deferred
 from .forms import Compacted, Concatenated, Pooled, Replayed, _Dense, _gathered, _Shared
 from .graph import (_activation_of, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _is_batchnorm, _kept,
                     _raw_saved, _relu_ext_mask, _Saved)
@@ -155,7 +156,7 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
     if first is None:
         return None, False
     check = () if second is None else (second[3], *second[1:3])
-    if not bool(_ops.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *check)):
+    if not Deferred(_ops.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *check)).flag():
         return None, True
     return Replayed(*first[:3], act[0], act[1], None if second is None else second[:3]), False
 
@@ -167,7 +168,7 @@ def _compacted(t: Tensor, min_saving: float) -> Compacted | None:
     mask = _relu_ext_mask(t)  # relu_ext's own mask: no second bitmap
     if mask is not None:
         values, missed = _ops.compact(y, mask)
-        shared = not bool(missed)  # else -0.0, or changed after the ReLU: not exact with this mask
+        shared = not Deferred(missed).flag()  # else -0.0, or changed after the ReLU: not exact with this mask
     if not shared:
         mask = _ops.nonzero_mask(y)
         values, _ = _ops.compact(y, mask)

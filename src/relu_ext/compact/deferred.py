@@ -1,0 +1,59 @@
+"""The deferred result: every read of a device value by ``save_compact()``'s host code, in one place.
+
+A decision of the pack hook that needs a value computed on the tensor's device (whether a recipe
+matched bit for bit, whether a mask could be shared, a tensor's range) reads it through
+:class:`Deferred`. On CUDA the value is copied to pinned host memory without waiting, and an event
+is recorded after the copy: :meth:`Deferred.done` asks the event, without blocking, whether the
+value has arrived; :meth:`Deferred.get` waits for it (this one event, not the whole device). On the
+CPU the value is there at once, so the CPU runs the same code as the GPU.
+
+No other code of the package reads a device tensor on the host (``item``, ``bool``, ``int``,
+``tolist``, ``nonzero``, ``torch.equal``): tests/compact/test_deferred.py patches these and runs
+training steps through every form to check it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class Deferred:
+    """A value on a tensor's device that the host reads later.
+
+    Args:
+        value: the tensor to read (small: a flag, a count, a range). It must not change afterwards:
+            the copy runs when the device gets to it, in stream order.
+    """
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, value: Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if value.device.type == "cuda":
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._host = host
+        else:
+            self._host = value.detach()
+
+    def done(self) -> bool:
+        """Whether the value has reached the host (never blocks)."""
+        return self._event is None or self._event.query()
+
+    def get(self) -> Tensor:
+        """The value on the host, waiting for its copy (and what the device had queued before it)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+    def flag(self) -> bool:
+        """The value as a bool (one element), waiting as :meth:`get`."""
+        return bool(self.get())
+
+    def ints(self) -> list[int]:
+        """The value's elements as Python ints, waiting as :meth:`get`."""
+        return [int(v) for v in self.get().tolist()]
