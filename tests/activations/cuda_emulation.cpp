@@ -18,6 +18,13 @@
 // or written out of bounds fails; inputs end where their data ends, so that
 // built with -fsanitize=address a read past them is reported too (the test
 // builds it so). Exit status 0 and "emulation: all passed".
+//
+// The family's cases are arguments, `label op a b` each (the test passes
+// every family row of tests/cases.py): the op is found by name in
+// RELU_EXT_FAMILY and its Params are the trait's own params<T, kCuda = true>
+// from c10::Scalar arguments, as the CUDA launcher builds them, so that an
+// activation added to the tables is checked here with no line of its own.
+// An op that is no family trait fails before anything runs.
 #include <ucontext.h>
 
 #include <algorithm>
@@ -26,11 +33,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <new>
 #include <random>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 struct Dim3 {
@@ -336,25 +346,6 @@ void check_format(const char* dtype) {
 
 // --- the family (activations.h) ----------------------------------------------------
 
-// Each trait's parameters built from doubles (c10::Scalar::to needs the c10
-// library, which this harness does not link).
-template <typename Act, typename T>
-typename Act::template Params<T> params_of(double a, double b) {
-  using M = relu_ext::OpMath<T>;
-  if constexpr (std::is_same_v<Act, relu_ext::Relu>) {
-    return {};
-  } else if constexpr (std::is_same_v<Act, relu_ext::Hardtanh>) {
-    return {M(a), M(b), T(float(a)), T(float(b))};
-  } else if constexpr (std::is_same_v<Act, relu_ext::LeakyRelu>) {
-    return {M(a)};
-  } else if constexpr (std::is_same_v<Act, relu_ext::Threshold>) {
-    return {M(T(M(a))), T(float(b))};  // the CUDA kernels' threshold: rounded to T (params<T, true>)
-  } else {
-    static_assert(std::is_same_v<Act, relu_ext::Hardsigmoid>);
-    return {M(0), M(6)};  // the clamp's bounds
-  }
-}
-
 template <typename U, typename T>
 U bits_of(T v) {
   U u;
@@ -364,10 +355,13 @@ U bits_of(T v) {
 
 // act_fwd_kernel (with a mask, without one, in place) and act_bwd_kernel for
 // one activation, storage type T (bits U, infinity kInf), V and K, against
-// the trait applied element by element; outputs compared bit for bit.
+// the trait applied element by element; outputs compared bit for bit. The
+// kernels get the Params the CUDA launcher builds, the trait's own
+// params<T, kCuda = true> (threshold's rounded to T) from the op's Scalars
+// (Scalar::to is why the harness links c10).
 template <typename Act, typename T, typename U, U kInf, int V, int K>
-void check_family(int64_t n, unsigned cap, int offset, double a, double b, const char* name) {
-  const auto p = params_of<Act, T>(a, b);
+void check_family(int64_t n, unsigned cap, int offset, const relu_ext::ActArgs& args, const char* name) {
+  const auto p = Act::template params<T, /*kCuda=*/true>(args);
   const U poison = U(0xA5A5A5A5A5A5A5A5ull);
   const std::vector<U> xb = adversarial<U, kInf>(n), gb = adversarial<U, kInf>(n);
   std::vector<T> x0(n), g0(n);
@@ -416,23 +410,75 @@ void check_family(int64_t n, unsigned cap, int offset, double a, double b, const
 // Every activation with the launcher's vector kernel (V, the default unroll
 // K = 2) and its unaligned one (V = 1, K = 1), at every edge.
 template <typename Act, typename T, typename U, U kInf>
-void check_family_format(const char* act, const char* dtype, double a, double b) {
+void check_family_format(const char* act, const char* dtype, const relu_ext::ActArgs& args) {
   constexpr int V = 16 / sizeof(T);
   char name[2][96];
   std::snprintf(name[0], sizeof name[0], "%s %s V=%d K=2", act, dtype, V);
   std::snprintf(name[1], sizeof name[1], "%s %s V=1 K=1 (unaligned)", act, dtype);
   for (unsigned cap : kCaps) {
-    for (int64_t n : sizes_for(V, 2, sized(cap))) check_family<Act, T, U, kInf, V, 2>(n, cap, 0, a, b, name[0]);
-    for (int64_t n : sizes_for(1, 1, sized(cap))) check_family<Act, T, U, kInf, 1, 1>(n, cap, 1, a, b, name[1]);
+    for (int64_t n : sizes_for(V, 2, sized(cap))) check_family<Act, T, U, kInf, V, 2>(n, cap, 0, args, name[0]);
+    for (int64_t n : sizes_for(1, 1, sized(cap))) check_family<Act, T, U, kInf, 1, 1>(n, cap, 1, args, name[1]);
   }
 }
 
 template <typename Act>
-void check_family_dtypes(const char* act, double a, double b) {
-  check_family_format<Act, float, uint32_t, relu_ext::kInfF32>(act, "float32", a, b);
-  check_family_format<Act, double, uint64_t, relu_ext::kInfF64>(act, "float64", a, b);
-  check_family_format<Act, c10::Half, uint16_t, relu_ext::kInfF16>(act, "float16", a, b);
-  check_family_format<Act, c10::BFloat16, uint16_t, relu_ext::kInfBF16>(act, "bfloat16", a, b);
+void check_family_dtypes(const char* act, const relu_ext::ActArgs& args) {
+  check_family_format<Act, float, uint32_t, relu_ext::kInfF32>(act, "float32", args);
+  check_family_format<Act, double, uint64_t, relu_ext::kInfF64>(act, "float64", args);
+  check_family_format<Act, c10::Half, uint16_t, relu_ext::kInfF16>(act, "float16", args);
+  check_family_format<Act, c10::BFloat16, uint16_t, relu_ext::kInfBF16>(act, "bfloat16", args);
+}
+
+// One case of the test table: a label, a family op by name and its two
+// Scalar arguments (unused ones 0), as tests/activations/test_cuda_emulation.py
+// passes them from tests/cases.py.
+struct FamilyCase {
+  std::string label, op;
+  relu_ext::ActArgs args;
+};
+
+// fn(Trait{}) for the family trait named `op`; false when there is none
+// (relu included: its kernels are its own, checked by check_format).
+template <typename Fn>
+bool with_family_act(const std::string& op, Fn&& fn) {
+#define EMULATION_ACT(Act)          \
+  if (op == relu_ext::Act::kName) { \
+    fn(relu_ext::Act{});            \
+    return true;                    \
+  }
+  RELU_EXT_FAMILY(EMULATION_ACT)
+#undef EMULATION_ACT
+  return false;
+}
+
+double parse_double(const char* text, const char* label) {
+  char* end = nullptr;
+  const double v = std::strtod(text, &end);  // "nan", "inf" and hex floats included
+  if (end == text || *end != '\0') {
+    char msg[256];
+    std::snprintf(msg, sizeof msg, "case %s: '%s' is not a number", label, text);
+    fail(msg);
+  }
+  return v;
+}
+
+// argv: `label op a b` quadruples; every op checked to be a family trait
+// before any case runs.
+std::vector<FamilyCase> parse_cases(int argc, char** argv) {
+  if ((argc - 1) % 4 != 0) fail("usage: cuda_emulation [label op a b]... (family cases, quadruples)");
+  std::vector<FamilyCase> cases;
+  for (int i = 1; i < argc; i += 4) {
+    FamilyCase c{argv[i], argv[i + 1],
+                 {c10::Scalar(parse_double(argv[i + 2], argv[i])), c10::Scalar(parse_double(argv[i + 3], argv[i]))}};
+    if (!with_family_act(c.op, [](auto) {})) {
+      char msg[256];
+      std::snprintf(msg, sizeof msg, "case %s: no family activation '%s' in RELU_EXT_FAMILY", c.label.c_str(),
+                    c.op.c_str());
+      fail(msg);
+    }
+    cases.push_back(std::move(c));
+  }
+  return cases;
 }
 
 // --- compaction -----------------------------------------------------------------
@@ -600,7 +646,8 @@ template <typename Act, typename T, typename U, U kInf>
 void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, bool wide, unsigned cap, const char* name) {
   using M = relu_ext::OpMath<T>;
   const int64_t n = N * C * S;
-  const auto p = params_of<Act, T>(0.0, 6.0);
+  const relu_ext::ActArgs args{c10::Scalar(0.0), c10::Scalar(6.0)};  // relu6 = hardtanh(0, 6); relu ignores them
+  const auto p = Act::template params<T, /*kCuda=*/true>(args);
   const U poison = U(0xA5A5A5A5A5A5A5A5ull);
   const std::vector<U> xb = adversarial<U, kInf>(n), x2b = adversarial<U, kInf>(n);
   std::vector<M> alpha(2 * C), beta(2 * C), alpha2(2 * C), beta2(2 * C);  // [w; invstd], [mean; b]
@@ -682,7 +729,8 @@ void check_bn_dtype(const char* dtype) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) try {
+  const std::vector<FamilyCase> cases = parse_cases(argc, argv);
   check_format<uint32_t, relu_ext::kInfF32>("float32");
   check_format<uint64_t, relu_ext::kInfF64>("float64");
   check_format<uint16_t, relu_ext::kInfF16>("float16");
@@ -694,12 +742,10 @@ int main() {
       check_int<int64_t>(n, cap);
     }
   }
-  check_family_dtypes<relu_ext::Hardtanh>("relu6", 0.0, 6.0);
-  check_family_dtypes<relu_ext::Hardtanh>("hardtanh", -0.5, 0.25);
-  check_family_dtypes<relu_ext::LeakyRelu>("leaky_relu", 0.1, 0.0);
-  check_family_dtypes<relu_ext::Threshold>("threshold", 0.5, 2.0);
-  check_family_dtypes<relu_ext::Threshold>("threshold_inexact", 0.1, 20.0);  // 0.1 rounds differently per T
-  check_family_dtypes<relu_ext::Hardsigmoid>("hardsigmoid", 0.0, 0.0);
+  for (const FamilyCase& c : cases) {
+    with_family_act(c.op, [&](auto act) { check_family_dtypes<decltype(act)>(c.label.c_str(), c.args); });
+    std::printf("emulation: checked family case %s (%s)\n", c.label.c_str(), c.op.c_str());
+  }
   check_compaction_width<uint16_t, relu_ext::kInfF16>("2-byte");
   check_compaction_width<uint32_t, relu_ext::kInfF32>("4-byte");
   check_compaction_width<uint64_t, relu_ext::kInfF64>("8-byte");
@@ -709,4 +755,6 @@ int main() {
   check_bn_dtype<c10::BFloat16, uint16_t, relu_ext::kInfBF16>("bfloat16");
   std::printf("emulation: all passed (%ld checks)\n", checks);
   return 0;
+} catch (const std::exception& e) {  // c10::Error: an argument Scalar::to<T> cannot convert (as PyTorch raises)
+  fail(e.what());
 }
