@@ -3,6 +3,7 @@
 // functions, install / uninstall (install.cpp), and the Python types of the
 // backward nodes (so that grad_fn prints as ReluExtBackward0 etc. and exposes
 // its saved mask, like PyTorch's own nodes).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -96,6 +97,15 @@ void register_node(pybind11::module_& m) {
   Py_INCREF(&type);
   m.attr(Act::kNode) = pybind11::handle(reinterpret_cast<PyObject*>(&type));
   torch::autograd::registerCppFunction(typeid(MaskBackward<Act>), &type);
+}
+
+// The names of relu_ext::<op>'s arguments after the input, as registered (from the trait's kSchemaArgs).
+std::vector<std::string> scalar_names(const std::string& op) {
+  const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("relu_ext::" + op).c_str(), "");
+  const auto& args = handle.schema().arguments();
+  std::vector<std::string> names;
+  for (size_t i = 1; i < args.size(); ++i) names.push_back(args[i].name());
+  return names;
 }
 
 }  // namespace
@@ -192,14 +202,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "activation_table",
       [] {
-        std::vector<std::pair<std::string, std::string>> rows;
-#define X(Act) rows.emplace_back(Act::kName, Act::kNode);
+        std::vector<std::tuple<std::string, std::string, std::vector<std::string>>> rows;
+#define X(Act) rows.emplace_back(Act::kName, Act::kNode, scalar_names(Act::kName));
         RELU_EXT_ACTIVATIONS(X)
 #undef X
         return rows;
       },
-      "The activation table (csrc/activations/activations.h): (op name, backward node name) per trait, in "
-      "order; each op's Scalar arguments are its registered schema's.");
+      "The activation table (csrc/activations/activations.h): (op name, backward node name, names of its "
+      "Scalar arguments in its registered schema) per trait, in order.");
   m.def("install_targets", &install_targets, "The aten ops install() can take over, by name.");
   m.def("install", &install, pybind11::arg("ops"),
         "Register relu_ext's kernels for these aten ops (and their in-place forms; idempotent).");

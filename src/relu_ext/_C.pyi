@@ -82,6 +82,6 @@ class _MaskBackward:
 def __getattr__(name: str) -> type[_MaskBackward]:
     """Each activation's node type, by its name (activation_table()'s second column, e.g. ReluExtBackward0)."""
 
-def activation_table() -> list[tuple[str, str]]:
-    """The activation table (csrc/activations/activations.h): (op name, backward node name) per trait, in
-    order; each op's Scalar arguments are its registered schema's."""
+def activation_table() -> list[tuple[str, str, list[str]]]:
+    """The activation table (csrc/activations/activations.h): (op name, backward node name, names of its
+    Scalar arguments in its registered schema) per trait, in order."""

@@ -65,7 +65,7 @@ def _eager(name: str, input: Tensor, inplace: Any, a0: float = 0.0, a1: float = 
     return _eager_act(name, input, inplace is True or (inplace is not False and bool(inplace)), a0, a1)
 
 
-_NODES = dict(_C.activation_table())  # op name -> backward node name, from the C++ traits
+_NATIVE = {name: (node, tuple(params)) for name, node, params in _C.activation_table()}  # the C++ traits
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Activation:
         modules: the ``torch.nn`` classes ``convert()`` replaces, with relu_ext's own.
         zeros: given the op's arguments, whether its outputs are mostly zeros,
             so that ``save_compact()`` compacts them where later layers keep them.
-        params: its Scalar arguments, in schema order (the registered schema's).
+        params: its Scalar arguments' names, in schema order (as registered from the trait).
         node: relu_ext's backward node (``grad_fn.name()``; the C++ trait's ``kNode``).
         torch_node: PyTorch's backward node of the out-of-place op.
     """
@@ -92,13 +92,13 @@ class Activation:
     torch_node: str = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.name not in _NODES:
+        if self.name not in _NATIVE:
             raise ValueError(f"relu_ext: no C++ trait for activation {self.name!r} (csrc/activations/activations.h)")
-        schema = getattr(_ops, self.name).default._schema
-        object.__setattr__(self, "params", tuple(a.name for a in schema.arguments[1:]))
-        object.__setattr__(self, "node", _NODES[self.name])
+        node, params = _NATIVE[self.name]
+        object.__setattr__(self, "params", params)
+        object.__setattr__(self, "node", node)
         # PyTorch names its node after the op as relu_ext does, without "Ext".
-        object.__setattr__(self, "torch_node", _NODES[self.name].replace("ExtBackward0", "Backward0"))
+        object.__setattr__(self, "torch_node", node.replace("ExtBackward0", "Backward0"))
 
 
 def relu(input: Tensor, inplace: bool = False) -> Tensor:

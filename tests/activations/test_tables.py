@@ -27,14 +27,14 @@ PY = {a.name: a for a in ACTIVATIONS}
 def test_every_op_is_in_every_table():
     """Each C++ trait has a Python row and a test row, in the same order, and each of these a trait;
     the Python rows' nodes and parameters are the C++ traits' and the registered schemas'."""
-    cpp = [name for name, _ in _C.activation_table()]
+    cpp = [name for name, _, _ in _C.activation_table()]
     assert len(set(cpp)) == len(cpp), cpp
     assert list(PY) == cpp, f"C++ traits {cpp} vs Python table {list(PY)}"
     assert OPS == cpp, f"test table {OPS} vs C++ traits {cpp}"
     assert list(relu_ext.install_targets()) == cpp
-    for (name, node), act in zip(_C.activation_table(), ACTIVATIONS):
+    for (name, node, params), act in zip(_C.activation_table(), ACTIVATIONS):
         schema = getattr(torch.ops.relu_ext, name).default._schema
-        assert act.node == node and act.params == tuple(a.name for a in schema.arguments[1:]), name
+        assert act.node == node and act.params == tuple(params) == tuple(a.name for a in schema.arguments[1:]), name
         aten = [a.name for a in getattr(torch.ops.aten, name).default._schema.arguments[1:]]
         assert list(act.params) == aten, f"{name}: relu_ext's Scalars {act.params} vs aten's {aten}"
     with pytest.raises(ValueError, match="no C.. trait"):

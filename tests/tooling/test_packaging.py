@@ -128,7 +128,7 @@ def test_stub_declares_the_native_module():
         elif isinstance(node, ast.AnnAssign):
             declared.add(node.target.id)
     public = {name for name in dir(_C) if not name.startswith("__")}
-    nodes = {node for _, node in _C.activation_table()}  # the stub's __getattr__ types them as _MaskBackward
+    nodes = {node for _, node, _ in _C.activation_table()}  # the stub's __getattr__ types them as _MaskBackward
     assert declared - {"_MaskBackward", "__getattr__"} == public - nodes and nodes <= public
 
 
