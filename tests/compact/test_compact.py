@@ -259,6 +259,25 @@ def test_what_is_not_a_relu_output_is_saved_as_usual(monkeypatch):
     z.backward()
 
 
+def test_report_lists_parameters_apart():
+    """report()'s headline counts what the graph holds for the step; parameters and views of them,
+    held outside the graph anyway, come on a line of their own; the counters count everything."""
+    torch.manual_seed(0)
+    lin, bn = torch.nn.Linear(128, 128), torch.nn.BatchNorm1d(128)
+    x, w = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
+    with relu_ext.save_compact() as sc:
+        loss = (torch.relu(bn(lin(x))) * w).sum()  # saved, not made here: x, lin.weight.t(), bn's weight, w
+    loss.backward()
+    apart = x.nbytes + lin.weight.nbytes + bn.weight.nbytes + w.nbytes
+    lines = sc.report().splitlines()
+    assert lines[-1].startswith(f"  parameters: 4 tensors, {apart / 1024:.2f} KiB (and views of them"), lines
+    made = sc.bytes_saved_for_backward - apart
+    held = sc.bytes_held - apart
+    assert lines[0] == (f"relu_ext.save_compact: {sc.replayed + sc.compacted + sc.kept - 4} tensors saved for "
+                        f"backward, {made / 1024:.2f} KiB, held in {held / 1024:.2f} KiB ({100 * held / made:.1f}%)"), lines
+    assert sc.replayed == 1 and sc.kept_by_reason["not_activation"] > 4, sc.report()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                    torch.uint8], ids=str)
 def test_same_bits(dtype):

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.nn import Parameter
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .bits import _is_dense
@@ -46,7 +47,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     (under 4096 elements), ``too_few_zeros``, ``unsupported``),
     ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
     ``bytes_held`` (what it holds with them; a relu_ext mask or a BatchNorm
-    input held anyway is not counted), ``report()`` in words and ``repr()``.
+    input held anyway is not counted), ``report()`` in words (its headline
+    counts what the step holds for backward; parameters, views of them and
+    other leaves that require grad come apart) and ``repr()``.
     Details: docs/save_compact.md.
 
     Args:
@@ -66,12 +69,14 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         >>> sc.compacted, sc.kept, sc.kept_by_reason["not_activation"]
         (1, 2, 2)
         >>> print(sc.report())
-        relu_ext.save_compact: 3 tensors saved for backward, 138.00 KiB, held in 107.93 KiB (78.2%)
+        relu_ext.save_compact: 2 tensors saved for backward, 128.00 KiB, held in 97.93 KiB (76.5%)
           compacted: 1 tensor, 64.00 KiB held in 33.93 KiB
-          kept as they are: 2 tensors, 74.00 KiB: 2 not an activation output
+          kept as they are: 1 tensor, 64.00 KiB: 1 not an activation output
+          parameters: 1 tensor, 10.00 KiB (and views of them, and other leaves that require grad: held outside the graph anyway)
 
     (The ReLU's output, saved by its node and by the second Linear, is
-    compacted once; the input and the second Linear's weight are kept.)
+    compacted once; the input and the second Linear's weight are kept, and
+    ``report()`` lists the weight apart from the activation memory it counts.)
     """
 
     def __init__(self, min_saving: float = 0.1, recompute: bool = True) -> None:
@@ -262,7 +267,12 @@ class _Packer:
         ref = self.seen.get(key)
         if ref is None or ref() is not t:
             self.seen[key] = weakref.ref(t)
-            self.stats.keep(why, t)
+            base = t._base if t._base is not None else t
+            # A parameter, a view of one, or another leaf that requires grad: held outside the graph. Buffers
+            # and inputs that require no grad are not told apart from what the step made without autograd
+            # (BatchNorm's saved mean): no attribute marks them.
+            leaf = why == "not_activation" and base.grad_fn is None and (base.requires_grad or isinstance(base, Parameter))
+            self.stats.keep(why, t, leaf)
             if len(self.seen) > self.prune_at:
                 for dead in [k for k, r in self.seen.items() if r() is None]:
                     del self.seen[dead]

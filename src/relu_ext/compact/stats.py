@@ -33,9 +33,11 @@ class _Stats:
     """What a save_compact's pack hook did: its _Packer counts here, the context reads it.
 
     By kind (a key of ``_KINDS``, or ``"kept"``): ``count`` distinct tensors (those kept as they
-    are: ``kept_by_reason``), ``nbytes`` their bytes, ``held`` the bytes their forms hold."""
+    are: ``kept_by_reason``), ``nbytes`` their bytes, ``held`` the bytes their forms hold. Of those
+    kept as they are, ``leaves`` and ``leaf_bytes``: parameters, views of them and other leaves
+    that require grad, all counted as ``not_activation``; report() lists them apart."""
 
-    __slots__ = ("count", "nbytes", "held", "replay_misses", "kept_by_reason")
+    __slots__ = ("count", "nbytes", "held", "replay_misses", "kept_by_reason", "leaves", "leaf_bytes")
 
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()
@@ -43,6 +45,7 @@ class _Stats:
         self.held: Counter[str] = Counter()
         self.replay_misses = 0
         self.kept_by_reason = dict.fromkeys(_REASONS, 0)
+        self.leaves = self.leaf_bytes = 0
 
     def add(self, kind: str, nbytes: int, held: int) -> None:
         """Count a tensor of `nbytes` bytes, kept as `kind` in `held` bytes."""
@@ -50,11 +53,13 @@ class _Stats:
         self.nbytes[kind] += nbytes
         self.held[kind] += held
 
-    def keep(self, reason: str, t: Tensor) -> None:
-        """Count `t`, saved as it is for `reason`."""
+    def keep(self, reason: str, t: Tensor, leaf: bool = False) -> None:
+        """Count `t`, saved as it is for `reason`; `leaf`: no node made it or its base."""
         self.kept_by_reason[reason] += 1
         self.nbytes[_AS_IT_IS] += t.nbytes
         self.held[_AS_IT_IS] += t.nbytes
+        self.leaves += leaf
+        self.leaf_bytes += t.nbytes if leaf else 0
 
     def moved(self, reason: str, kind: str, nbytes: int, held: int) -> None:
         """Move a tensor of `nbytes` bytes, counted as saved as it is for `reason`, to `kind`, held in `held` bytes."""
@@ -73,9 +78,10 @@ class _Stats:
         return {**{kind: self.count[kind] for kind in _KINDS}, _AS_IT_IS: self.kept}
 
     def report(self) -> str:
-        """What the hooks did, in words (see save_compact's documentation)."""
-        total, held = sum(self.nbytes.values()), sum(self.held.values())
-        n = sum(self.counts().values())
+        """What the hooks did, in words (see save_compact's documentation): the headline and the lines
+        count what the graph holds for the step (activation memory); parameters come apart."""
+        total, held = sum(self.nbytes.values()) - self.leaf_bytes, sum(self.held.values()) - self.leaf_bytes
+        n = sum(self.counts().values()) - self.leaves
         share = f" ({100 * held / total:.1f}%)" if total else ""
         lines = [f"relu_ext.save_compact: {_tensors(n, 'tensor')} saved for backward, {_size(total)}, "
                  f"held in {_size(held)}{share}"]
@@ -87,9 +93,13 @@ class _Stats:
                 if kind == "replayed":
                     line += f"; {misses} verification miss{'es' * (misses != 1)}"
                 lines.append(line)
-        why = ", ".join(f"{k} {_REASONS[r]}" for r, k in self.kept_by_reason.items() if k)
-        lines.append(f"  kept as they are: {_tensors(self.kept, 'tensor')}, {_size(self.nbytes[_AS_IT_IS])}"
-                     + (f": {why}" if why else ""))
+        reasons = dict(self.kept_by_reason, not_activation=self.kept_by_reason["not_activation"] - self.leaves)
+        why = ", ".join(f"{k} {_REASONS[r]}" for r, k in reasons.items() if k)
+        lines.append(f"  kept as they are: {_tensors(self.kept - self.leaves, 'tensor')}, "
+                     f"{_size(self.nbytes[_AS_IT_IS] - self.leaf_bytes)}" + (f": {why}" if why else ""))
+        if self.leaves:
+            lines.append(f"  parameters: {_tensors(self.leaves, 'tensor')}, {_size(self.leaf_bytes)} (and views of them, "
+                         "and other leaves that require grad: held outside the graph anyway)")
         return "\n".join(lines)
 
 
