@@ -17,6 +17,10 @@
 #             copy) once per compiled unroll of relu_ext's CUDA kernels (--cuda-unroll 1, 2, 4) and grid cap
 #             (--cuda-waves 1: one wave of resident blocks; 0: no cap), the family's rows too with unroll 4: which
 #             one to make the default (tables at the end of summary.txt, ~1-2 min)
+#   models    real models at GPU sizes (bench/gpu_models.py: resnet50 float32 and bfloat16 autocast,
+#             mobilenet_v2, densenet121, T5) under nn.ReLU, install(), install()+save_compact() and
+#             torch.compile: peak memory, held bytes, step time, host syncs per step (gpu_models.json;
+#             its table at the end of summary.txt; it starts no model past MODELS_DEADLINE_S, ~5 min)
 # It refuses at once (exit 3, one line, nothing built) when no GPU is visible: nvidia-smi missing or
 # failing, or torch.cuda.is_available() False. It records the environment (env.json), runs every step
 # asked for even after a failed one (except that nothing runs after a failed build), prints a summary
@@ -24,8 +28,8 @@
 #
 # Options:
 #   --out DIR              results folder (default: bench/results/gpu-<device-slug>-<date>/)
-#   --steps LIST           comma-separated, from build,test,sanitize,bench,unroll (default: all five, in
-#                          that order). Without build, a missing CUDA build is built first (a fresh machine).
+#   --steps LIST           comma-separated, from build,test,sanitize,bench,unroll,models (default: all
+#                          six, in that order). Without build, a missing CUDA build is built first (a fresh machine).
 #   --quick                smaller bench: sizes 64K,1M,16M,256M, sections kernels,small, budget 0.2 s
 #   --deadline SECONDS     stop starting steps, and stop a running one, so the whole run ends by then
 #                          (with 20 s kept for the summary); a step cut short is a TIMEOUT (failed)
@@ -45,14 +49,14 @@
 # expecttest (one test of the OpInfo samples skips without it): carry its wheel.
 #   call 1, ~8 min:  PYTEST_ADDOPTS="-n 12" OMP_NUM_THREADS=1 \
 #                    bash bench/gpu_check.sh --out "$OUT" --steps build,test,sanitize --deadline 570
-#   call 2, at once on the still-warm machine (it goes back after 30 s idle; without build the
-#                    installed one is used): bash bench/gpu_check.sh --out "$OUT" --steps unroll --deadline 240
+#   call 2, ~6 min, at once on the still-warm machine (it goes back after 30 s idle; without build the
+#                    installed one is used): bash bench/gpu_check.sh --out "$OUT" --steps models --deadline 330
 #                    && python3 bench/bn_probe.py --device cuda --out "$OUT/bn_probe"   (seconds; needs no
 #                    build: which formula gives CUDA's BatchNorm output, for a CUDA replay)
-#   later sessions: --steps bench --quick; the real models compiled (torch.compile, nn.ReLU vs relu_ext):
-#                    BENCH_ARGS="--what compiled --models resnet18,resnet50,vgg11 --dtypes float32" \
-#                    bash bench/gpu_check.sh --out "$OUT" --steps build,bench --deadline 570
-# On a machine without a time limit, `bash bench/gpu_check.sh` runs all five steps (~15-20 min) into
+#   later sessions: --steps bench --quick, --steps unroll; the real models compiled (torch.compile,
+#                    nn.ReLU vs relu_ext): BENCH_ARGS="--what compiled --models resnet18,resnet50,vgg11 \
+#                    --dtypes float32" bash bench/gpu_check.sh --out "$OUT" --steps build,bench --deadline 570
+# On a machine without a time limit, `bash bench/gpu_check.sh` runs all six steps (~20-25 min) into
 # bench/results/gpu-<device-slug>-<date>/.
 set -euo pipefail
 
@@ -87,7 +91,8 @@ SANITIZER_TESTS=(
   "tests/compact/test_recompute.py::test_cuda_replay_matches_pytorch[torch.bfloat16-2x37x5x3-channels_last-eval]"
   "tests/compact/test_recompute.py::test_cuda_residual_replay_matches_pytorch[torch.float32]"
 )
-STEP_NAMES=(build test sanitize bench unroll)
+STEP_NAMES=(build test sanitize bench unroll models)
+MODELS_DEADLINE_S=240  # gpu_models.py starts no model after this (one model takes up to a minute)
 QUICK_BENCH_ARGS=(--sizes 65536,1048576,16777216,268435456 --what kernels,small --budget 0.2)
 UNROLLS=(1 2 4)  # what csrc/activations/cuda.cu compiles (set_cuda_unroll); the family's kernels have 4 only
 WAVES=(1 0)      # grid caps to compare (set_cuda_waves): one wave of resident blocks, none
@@ -135,7 +140,7 @@ else
   IFS=',' read -r -a _steps <<<"$STEPS_ARG"
   for s in "${_steps[@]}"; do
     case "$s" in
-      build|test|sanitize|bench|unroll) WANT[$s]=1 ;;
+      build|test|sanitize|bench|unroll|models) WANT[$s]=1 ;;
       *) die_usage "unknown step '$s' in --steps (steps: ${STEP_NAMES[*]})" ;;
     esac
   done
@@ -170,6 +175,7 @@ sanitizer_cmd() {  # tool
        "--report-api-errors no --print-limit 50 $PYTHON -m pytest -q -p no:cacheprovider <the $count tests below>"
 }
 bench_cmd() { echo "$PYTHON -m relu_ext.bench --device cuda --out $1 --name bench --no-progress $BENCH_EXTRA_LIST"; }
+models_cmd() { echo "$PYTHON bench/gpu_models.py --device cuda --out $1 --deadline $MODELS_DEADLINE_S"; }
 unroll_what() { [ "$1" = 4 ] && echo kernels,family || echo kernels; }  # unroll
 unroll_cmd() {  # unroll waves
   echo "$PYTHON -m relu_ext.bench --device cuda --cuda-unroll $1 --cuda-waves $2 --what $(unroll_what "$1") $UNROLL_BENCH_ARGS_LIST"
@@ -196,6 +202,7 @@ if [ "$DRY_RUN" = 1 ]; then
       for k in "${UNROLLS[@]}"; do echo "step unroll:   $(unroll_cmd "$k" "$w")  (tables into summary.txt)"; done
     done
   fi
+  [ -n "${WANT[models]:-}" ] && echo "step models:   $(models_cmd "$results")  (table into summary.txt)"
   echo "summary:    $results/summary.txt"
   exit 0
 fi
@@ -285,7 +292,7 @@ EOF
 # --- steps ------------------------------------------------------------------------
 # Each step runs in its own bash (so that `timeout` can stop it with its children);
 # these functions and variables travel there.
-export REPO R PYTHON ARCH JOBS SANITIZER_ERROR_EXIT SANITIZER_BIN
+export REPO R PYTHON ARCH JOBS SANITIZER_ERROR_EXIT SANITIZER_BIN MODELS_DEADLINE_S
 export SANITIZER_TESTS_LIST BENCH_EXTRA_LIST UNROLLS_LIST WAVES_LIST UNROLL_BENCH_ARGS_LIST
 
 step_build() {
@@ -374,8 +381,15 @@ step_unroll() {  # every variant even after a failed one
   done
   return $rc
 }
-export -f step_build check_build step_test step_sanitize step_bench step_unroll build_cmd test_cmd sanitizer_cmd \
-  bench_cmd unroll_cmd unroll_what
+step_models() {
+  set -euo pipefail
+  cd "$REPO"
+  echo "\$ $(models_cmd "$R")"
+  "$PYTHON" bench/gpu_models.py --device cuda --out "$R" --deadline "$MODELS_DEADLINE_S"
+  [ -s "$R/gpu_models.json" ] || { echo "gpu_check: FAIL: no gpu_models.json written"; return 1; }
+}
+export -f step_build check_build step_test step_sanitize step_bench step_unroll step_models build_cmd test_cmd \
+  sanitizer_cmd bench_cmd unroll_cmd unroll_what models_cmd
 
 ROWS=()     # "name|result|seconds|log|note"
 FAILED=0
@@ -418,6 +432,7 @@ note_sanitize() {  # from the last tool's section of the shared log only
     | grep -E "ERROR SUMMARY|^==== [a-z]+: " | sed -E 's/^=+ *//; s/^[a-z]+: //' | paste -sd';' - | cut -c1-100
 }
 note_bench() { [ -s "$R/bench.json" ] && echo "bench.json, bench.png; tables at the end of summary.txt" || echo "exit $2"; }
+note_models() { [ -s "$R/gpu_models.json" ] && echo "gpu_models.json; table at the end of summary.txt" || echo "exit $2"; }
 note_unroll() { echo "unroll ${UNROLLS[*]} x waves ${WAVES[*]}: tables at the end of summary.txt"; }
 
 build_present() {
@@ -459,6 +474,10 @@ if [ -n "${WANT[unroll]:-}" ]; then
   if [ $BUILD_OK = 1 ]; then : >"$R/unroll.log"; LOG_LABEL=summary.txt run_step unroll "$R/unroll.log" note_unroll step_unroll
   else skip_after_build unroll; fi
 fi
+if [ -n "${WANT[models]:-}" ]; then
+  if [ $BUILD_OK = 1 ]; then : >"$R/models.log"; LOG_LABEL=summary.txt run_step models "$R/models.log" note_models step_models
+  else skip_after_build models; fi
+fi
 
 # --- summary ------------------------------------------------------------------------
 {
@@ -479,6 +498,10 @@ fi
 if [ -f "$R/unroll.log" ]; then  # likewise
   { echo; echo "==== unroll and grid comparison (python -m relu_ext.bench --cuda-unroll K --cuda-waves W)"; cat "$R/unroll.log"; } >>"$R/summary.txt"
   rm -f "$R/unroll.log"
+fi
+if [ -f "$R/models.log" ]; then  # likewise
+  { echo; echo "==== real models at GPU sizes (bench/gpu_models.py)"; cat "$R/models.log"; } >>"$R/summary.txt"
+  rm -f "$R/models.log"
 fi
 echo
 sed -n '1,/^overall:/p' "$R/summary.txt"

@@ -839,3 +839,56 @@ def test_bn_probe_writes_its_table(tmp_path):
     assert all("_saved_input" in r["saved"] for r in data["rows"])
     probe.run("cpu", [False], log=lines.append)
     assert len(lines) == 12 and "best:" in lines[0]
+
+
+def gpu_models():
+    """bench/gpu_models.py (the GPU sessions' real models at GPU sizes) as a module."""
+    path = ROOT / "bench" / "gpu_models.py"
+    if not path.exists():
+        pytest.skip("no bench/gpu_models.py here (an unpacked sdist)")
+    spec = importlib.util.spec_from_file_location("gpu_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_models_runs_every_configuration_on_the_cpu(tmp_path):
+    """The GPU models' code path at toy sizes on the CPU (no compile: minutes here): every case and
+    configuration has its figures, save_compact() holds less and counts what it did, and the JSON
+    records the environment. Peak and host syncs are CUDA's measurements: None here."""
+    gm = gpu_models()
+    result = gm.main(["--device", "cpu", "--tiny", "--no-compile", "--rounds", "1", "--out", str(tmp_path),
+                      "--cases", "resnet50:amp,resnet50:float32"])
+    assert json.loads((tmp_path / "gpu_models.json").read_text()) == json.loads(json.dumps(result))
+    assert result["configs"] == ["nn.ReLU", "install", "install+save_compact"]
+    assert [(r["model"], r["precision"], r["input"]) for r in result["rows"]] == \
+        [("resnet50", "amp", "2x3x64x64"), ("resnet50", "float32", "2x3x64x64")]
+    for row in result["rows"]:
+        for config, r in row["results"].items():
+            assert r["held_bytes"] > 0 and r["step_s"] > 0 and r["peak_bytes"] is None, (config, r)
+            assert r["host_syncs_per_step"] is None and any("sync" in k for k in r), r
+        ours = row["results"]["install+save_compact"]
+        # (Under autocast the bfloat16 copies of the weights, which every configuration holds, weigh most at toy sizes.)
+        assert ours["held_vs_torch"] < (0.99 if row["precision"] == "amp" else 0.8), ours
+        assert ours["save_compact"]["replayed"] > 0, ours
+        assert ours["save_compact"]["replay_misses"] == 0, ours
+    assert {"date", "torch", "device", "git_commit"} <= set(result["environment"])
+    with pytest.raises(SystemExit):
+        gm.main(["--device", "cpu", "--cases", "resnet50:float16"])
+
+
+def test_gpu_models_goes_on_after_a_failed_configuration(monkeypatch):
+    """A configuration that raises (a compile error on some GPU) is recorded, and the others run."""
+    gm = gpu_models()
+    held = gm.real.held_bytes
+
+    def failing(model, inputs, config, counts=None):
+        if config == "install":
+            raise RuntimeError("stand-in failure\nmore")
+        return held(model, inputs, config, counts)
+
+    monkeypatch.setattr(gm.real, "held_bytes", failing)
+    result = gm.main(["--device", "cpu", "--tiny", "--no-compile", "--rounds", "1", "--cases", "resnet50:float32"])
+    got = result["rows"][0]["results"]
+    assert got["install"] == {"error": "RuntimeError: stand-in failure"}
+    assert got["nn.ReLU"]["vs_torch"] == 1.0 and got["install+save_compact"]["held_vs_torch"] < 0.8

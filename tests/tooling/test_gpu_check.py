@@ -79,7 +79,7 @@ def test_help_documents_usage_and_device_tool_calls():
     out = run("--help")
     assert out.returncode == 0, out.stderr
     for needle in ("Usage:", "--out DIR", "--steps", "--quick", "--dry-run", "--deadline",
-                   '--out "$OUT" --steps build,test,sanitize', '--steps unroll --deadline 240',
+                   '--out "$OUT" --steps build,test,sanitize', '--steps models --deadline 330',
                    'PYTEST_ADDOPTS="-n 12"',  # the whole suite fits a 10-minute call only with pytest-xdist
                    "pip install --no-build-isolation", "compute-sanitizer", "relu_ext.bench --device cuda"):
         assert needle in out.stdout, needle
@@ -169,6 +169,7 @@ def test_dry_run_lists_every_step_and_touches_nothing(tmp_path):
             what = "kernels,family" if k == 4 else "kernels"
             assert (f"-m relu_ext.bench --device cuda --cuda-unroll {k} --cuda-waves {w} --what {what} "
                     "--impls torch,relu_ext") in text
+    assert f"bench/gpu_models.py --device cuda --out {tmp_path / 'results'} --deadline 240" in text
     for node in sanitizer_selection():
         assert node in text
     assert not (tmp_path / "results").exists() and not log.exists()
@@ -247,6 +248,12 @@ case "$1" in
         [ "$files" = 1 ] && { echo "{}" > "$out/$name.json"; echo png > "$out/$name.png"; }
         exit "${FAKE_BENCH_RC:-0}" ;;
     esac ;;
+  bench/gpu_models.py)
+    out=.
+    while [ $# -gt 0 ]; do case "$1" in --out) out=$2; shift ;; esac; shift; done
+    echo "STAND-IN MODELS TABLE"
+    echo "{}" > "$out/gpu_models.json"
+    exit "${FAKE_MODELS_RC:-0}" ;;
 esac
 echo "stand-in python: unexpected call: $*" >&2
 exit 97
@@ -302,16 +309,16 @@ def test_a_failed_test_step_does_not_stop_sanitizer_and_bench(stand_ins):
     assert out.returncode == 1, out.stdout + out.stderr
     assert _summary_rows(results) == {"build": "PASS", "test": "FAIL", "sanitize:memcheck": "PASS",
                                       "sanitize:racecheck": "PASS", "sanitize:synccheck": "PASS", "bench": "PASS",
-                                      "unroll": "PASS"}
+                                      "unroll": "PASS", "models": "PASS"}
     summary = (results / "summary.txt").read_text()
     assert "overall: FAIL" in summary and "2 failed, 900 passed" in summary
     assert "STAND-IN KERNEL TABLE unroll=default" in summary, "the bench's tables belong at the end of the summary"
     for k in (1, 2, 4):
         assert f"STAND-IN KERNEL TABLE unroll={k}" in summary
+    assert "STAND-IN MODELS TABLE" in summary, "the models' table belongs at the end of the summary"
     files = sorted(p.name for p in results.iterdir())
-    assert files == ["bench.json", "bench.png", "build.log", "env.json", "junit.xml", "sanitizer.log", "summary.txt",
-                     "tests.log"]
-    assert len(files) <= 8, "the device tool brings back at most 8 files"
+    assert files == ["bench.json", "bench.png", "build.log", "env.json", "gpu_models.json", "junit.xml",
+                     "sanitizer.log", "summary.txt", "tests.log"]
     assert json.loads((results / "env.json").read_text())["device"] == "Stand-in GPU 80GB HBM3"
     calls = log.read_text()
     assert re.search(r"python -m pip install -v --no-build-isolation --no-deps -e \.", calls)
@@ -329,6 +336,18 @@ def test_a_failed_test_step_does_not_stop_sanitizer_and_bench(stand_ins):
     assert "overall: FAIL" in out.stdout and "PASS" in out.stdout
 
 
+def test_each_call_of_the_device_plan_brings_back_at_most_8_files(stand_ins, tmp_path):
+    """The plan in --help: call 1 (build, test, sanitize) and call 2 (models, then bn_probe's one file)
+    each leave at most 8 files in $OUT, all the device tool brings back."""
+    env, _, _ = stand_ins
+    for n, steps in enumerate(("build,test,sanitize", "models")):
+        out_dir = tmp_path / f"call{n}"
+        out = run("--out", str(out_dir), "--steps", steps, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert len(list(out_dir.iterdir())) + (n == 1) <= 8, sorted(p.name for p in out_dir.iterdir())
+    assert "--steps build,test,sanitize" in run("--help").stdout and "--steps models" in run("--help").stdout
+
+
 def test_all_passing_exits_zero(stand_ins):
     env, _, results = stand_ins
     out = run("--out", str(results), "--quick", env=env)
@@ -342,7 +361,7 @@ def test_a_failed_build_skips_the_rest(stand_ins):
     assert out.returncode == 1
     assert _summary_rows(results) == {"build": "FAIL", "test": "SKIPPED", "sanitize:memcheck": "SKIPPED",
                                       "sanitize:racecheck": "SKIPPED", "sanitize:synccheck": "SKIPPED",
-                                      "bench": "SKIPPED", "unroll": "SKIPPED"}
+                                      "bench": "SKIPPED", "unroll": "SKIPPED", "models": "SKIPPED"}
     calls = log.read_text()
     assert "-m pytest" not in calls and "relu_ext.bench" not in calls and "compute-sanitizer --tool" not in calls
 
