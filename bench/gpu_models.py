@@ -248,22 +248,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cuda" and not relu_ext.cuda_available():
         p.error("--device cuda: relu_ext has no CUDA kernels here, or torch sees no GPU")
     start, rows, skipped = time.monotonic(), [], []
+    result = {"environment": environment(args.device), "tiny": args.tiny, "configs": configs, "rows": rows,
+              "skipped": skipped}
     for name, precision, batch in cases:
         if args.deadline and time.monotonic() - start > args.deadline:
             skipped.append(f"{name}:{precision} (deadline)")
             continue
         print(f"gpu_models: {name} {precision} batch {batch}", file=sys.stderr, flush=True)
         rows.append(run_case(name, precision, batch, args.device, args.tiny, configs, args.rounds))
-    result = {"environment": environment(args.device), "tiny": args.tiny, "configs": configs, "rows": rows,
-              "skipped": skipped}
+        write(result, args.out)  # after each case: a run stopped at a time limit keeps what it measured
+    write(result, args.out)
     print(table(rows))
     if skipped:
         print("skipped: " + ", ".join(skipped))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_models.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def write(result: dict[str, Any], out: str | None) -> None:
+    """OUT/gpu_models.json, where --out was given."""
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_models.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
