@@ -47,10 +47,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     (under 4096 elements), ``too_few_zeros``, ``unsupported``),
     ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
     ``bytes_held`` (what it holds with them; a relu_ext mask or a BatchNorm
-    input held anyway is not counted), ``report()`` in words (its headline
-    counts what the step holds for backward; parameters, views of them and
-    other leaves that require grad come apart) and ``repr()``.
-    Details: docs/save_compact.md.
+    input held anyway is not counted), ``report()`` in words (parameters
+    apart) and ``repr()``. Details: docs/save_compact.md.
 
     Args:
         min_saving (float): compact a tensor only if that saves at least this
@@ -74,9 +72,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
           kept as they are: 1 tensor, 64.00 KiB: 1 not an activation output
           parameters: 1 tensor, 10.00 KiB (and views of them, and other leaves that require grad: held outside the graph anyway)
 
-    (The ReLU's output, saved by its node and by the second Linear, is
-    compacted once; the input and the second Linear's weight are kept, and
-    ``report()`` lists the weight apart from the activation memory it counts.)
+    (The ReLU's output, saved by its node and by the second Linear, is compacted once.)
     """
 
     def __init__(self, min_saving: float = 0.1, recompute: bool = True) -> None:
