@@ -801,15 +801,20 @@ def test_bench_modules_import_no_circle():
     assert not [m for m in graph if reaches(m, m)], graph
 
 
-def bn_probe():
-    """bench/bn_probe.py (the GPU sessions' BatchNorm formula probe) as a module."""
-    path = ROOT / "bench" / "bn_probe.py"
+def bench_script(name: str):
+    """bench/<name>.py, one of the GPU sessions' scripts outside the package, as a module."""
+    path = ROOT / "bench" / f"{name}.py"
     if not path.exists():
-        pytest.skip("no bench/bn_probe.py here (an unpacked sdist)")
-    spec = importlib.util.spec_from_file_location("bn_probe", path)
+        pytest.skip(f"no bench/{name}.py here (an unpacked sdist)")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def bn_probe():
+    """bench/bn_probe.py (the BatchNorm formula probe) as a module."""
+    return bench_script("bn_probe")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -842,14 +847,8 @@ def test_bn_probe_writes_its_table(tmp_path):
 
 
 def gpu_models():
-    """bench/gpu_models.py (the GPU sessions' real models at GPU sizes) as a module."""
-    path = ROOT / "bench" / "gpu_models.py"
-    if not path.exists():
-        pytest.skip("no bench/gpu_models.py here (an unpacked sdist)")
-    spec = importlib.util.spec_from_file_location("gpu_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """bench/gpu_models.py (real models at GPU sizes) as a module."""
+    return bench_script("gpu_models")
 
 
 def test_gpu_models_runs_every_configuration_on_the_cpu(tmp_path):
