@@ -95,9 +95,7 @@ def step_fn(model: nn.Module, inputs: Any, config: str, precision: str, device: 
         loss.backward()
         opt.step()
         if sc is not None:
-            counts.update(replayed=sc.replayed, replay_misses=sc.replay_misses, compacted=sc.compacted,
-                          concatenated=sc.concatenated, pooled=sc.pooled, narrowed=sc.narrowed,
-                          two_valued=sc.two_valued, kept=sc.kept)
+            counts.update(real.compact_counts(sc))
 
     return step
 
@@ -108,15 +106,8 @@ def sync(device: str) -> None:
 
 
 def peak_bytes(step: Callable[[], None], device: str) -> int | None:
-    """torch.cuda.max_memory_allocated over one step, above what was allocated before it."""
-    if device != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    """torch.cuda.max_memory_allocated over one step, above what was allocated before it (real.peak_of)."""
+    return real.peak_of(step, device)["peak_bytes"] if device == "cuda" else None
 
 
 def host_syncs(step: Callable[[], None], device: str) -> int | None:

@@ -257,10 +257,15 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
         record(p.held())
     del loss, packed
     if inner is not None and counts is not None:
-        counts.update(replayed=inner.replayed, replay_misses=inner.replay_misses, compacted=inner.compacted,
-                      concatenated=inner.concatenated, pooled=inner.pooled, narrowed=inner.narrowed,
-                      two_valued=inner.two_valued, kept=inner.kept)
+        counts.update(compact_counts(inner))
     return sum(seen.values())
+
+
+def compact_counts(sc: relu_ext.save_compact) -> dict[str, int]:
+    """What a save_compact() did, as the results record it."""
+    return dict(replayed=sc.replayed, replay_misses=sc.replay_misses, compacted=sc.compacted,
+                concatenated=sc.concatenated, pooled=sc.pooled, narrowed=sc.narrowed, two_valued=sc.two_valued,
+                kept=sc.kept)
 
 
 def prepare(model: nn.Module, config: str, backend: str = "inductor") -> nn.Module:
