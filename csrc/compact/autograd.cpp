@@ -30,12 +30,34 @@ std::tuple<at::Tensor, at::Tensor> compact_autograd(const at::Tensor& y, const a
   return compact_op().call(y, mask);
 }
 
+at::Tensor compact_count_autograd(const at::Tensor& y, const at::Tensor& mask) {
+  check_layout_and_device(y, "relu_ext::compact_count", "y");  // (reads only the mask's bits: a count)
+  check_layout_and_device(mask, "relu_ext::compact_count", "mask");
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return compact_count_op().call(y, mask);
+}
+
+at::Tensor compact_into_autograd(const at::Tensor& y, const at::Tensor& mask, const at::Tensor& ends,
+                                 const at::Tensor& values) {
+  check_not_differentiable(y, "relu_ext::compact_into", "y");
+  check_not_differentiable(values, "relu_ext::compact_into", "values");
+  check_layout_and_device(mask, "relu_ext::compact_into", "mask");
+  check_layout_and_device(ends, "relu_ext::compact_into", "ends");
+  at::Tensor missed;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    missed = compact_into_op().call(y, mask, ends, values);
+  }
+  ag::increment_version(values);  // (written in place)
+  return missed;
+}
+
 at::Tensor expand_autograd(const at::Tensor& values, const at::Tensor& mask, c10::SymIntArrayRef size,
-                           c10::SymIntArrayRef stride) {
+                           c10::SymIntArrayRef stride, bool check) {
   check_not_differentiable(values, "relu_ext::expand", "values");
   check_layout_and_device(mask, "relu_ext::expand", "mask");
   const at::AutoDispatchBelowADInplaceOrView below;
-  return expand_op().call(values, mask, size, stride);
+  return expand_op().call(values, mask, size, stride, check);
 }
 
 at::Tensor nonzero_mask_autograd(const at::Tensor& y) {
@@ -100,6 +122,8 @@ at::Tensor bn_act_rebuild_autograd(const at::Tensor& x, const at::Tensor& alpha,
 
 TORCH_LIBRARY_IMPL(relu_ext, Autograd, m) {
   m.impl("compact", &compact_autograd);
+  m.impl("compact_count", &compact_count_autograd);
+  m.impl("compact_into", &compact_into_autograd);
   m.impl("expand", &expand_autograd);
   m.impl("nonzero_mask", &nonzero_mask_autograd);  // a mask is not differentiable
   m.impl("binary_mask", &binary_mask_autograd);

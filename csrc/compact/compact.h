@@ -18,6 +18,9 @@ namespace relu_ext {
 
 using CompactFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
 using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef);
+using CheckedExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, bool);
+using CompactCountFn = at::Tensor(const at::Tensor&, const at::Tensor&);
+using CompactIntoFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using NonzeroMaskFn = at::Tensor(const at::Tensor&);
 using BinaryMaskFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&);
 using BnTermsFn = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
@@ -30,7 +33,9 @@ using BnActRebuildFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at
                                   at::ArrayRef<double>, const OptTensor&, const OptTensor&, const OptTensor&);
 
 RELU_EXT_OP_HANDLE(compact_op, "compact", CompactFn)
-RELU_EXT_OP_HANDLE(expand_op, "expand", ExpandFn)
+RELU_EXT_OP_HANDLE(compact_count_op, "compact_count", CompactCountFn)
+RELU_EXT_OP_HANDLE(compact_into_op, "compact_into", CompactIntoFn)
+RELU_EXT_OP_HANDLE(expand_op, "expand", CheckedExpandFn)
 RELU_EXT_OP_HANDLE(nonzero_mask_op, "nonzero_mask", NonzeroMaskFn)
 RELU_EXT_OP_HANDLE(binary_mask_op, "binary_mask", BinaryMaskFn)
 RELU_EXT_OP_HANDLE(binary_expand_op, "binary_expand", ExpandFn)
@@ -47,6 +52,15 @@ RELU_EXT_OP_HANDLE(bn_act_rebuild_op, "bn_act_rebuild", BnActRebuildFn)
 // (bits unset become +0); nonzero_mask: the bitmap of elements whose bits are
 // not all zero.
 at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed);
+// Compaction in two steps, so that the host need not wait for the count in
+// between (save_compact's pack hook reads it through its deferred result): the
+// count (compact_count: on the CPU the total, kept_count_cpu; on CUDA each
+// tile's inclusive sum, compact_count_cuda), then compact_into, which fills
+// `values` sized by the total and returns compact's missed, which is nonzero
+// where values' size is not the total (on the CPU 1, nothing written; on
+// CUDA nothing written past values).
+int64_t kept_count_cpu(const uint8_t* mask, int64_t n);
+int64_t compact_into_cpu(const at::Tensor& y, const uint8_t* mask, const at::Tensor& values);
 void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out);
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask);
 // A tensor of +0 and at most one other bit pattern (CPU dropout's noise: 0
@@ -66,10 +80,17 @@ bool same_bits_cpu(const at::Tensor& a, const at::Tensor& b);
 #ifdef WITH_CUDA
 // Compaction as the CPU's above, on y's device and current stream. compact
 // sets `missed` to an int64 scalar tensor on the device (not read back: the
-// one host sync is for the size of values); nonzero_mask's mask must be
+// one host sync is for the size of values); compact_count gives the
+// inclusive sum of each tile's kept elements (its last entry the total; one
+// entry, 0, for an empty y) and compact_into, with them, fills values and
+// returns `missed` (see compact_into_cpu) without a sync; expand with `check`
+// compares the mask's total with values' size on the host (a sync), without
+// reads no element past values either way; nonzero_mask's mask must be
 // 4-byte aligned (a fresh allocation is).
 at::Tensor compact_cuda(const at::Tensor& y, const uint8_t* mask, at::Tensor& missed);
-void expand_cuda(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out);
+at::Tensor compact_count_cuda(const at::Tensor& y, const uint8_t* mask);
+at::Tensor compact_into_cuda(const at::Tensor& y, const uint8_t* mask, const at::Tensor& ends, const at::Tensor& values);
+void expand_cuda(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out, bool check);
 void nonzero_mask_cuda(const at::Tensor& y, uint8_t* mask);
 #endif
 

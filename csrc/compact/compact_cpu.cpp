@@ -500,11 +500,12 @@ RELU_EXT_AVX512 void nonzero_chunk_avx512(const U* y, int64_t n, int64_t b0, int
 
 }  // namespace
 
-at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed_total) {
+namespace {
+
+// The kept elements of y into values, chunk c's from start[c]; the dropped ones that are not +0, counted.
+int64_t compact_from(const at::Tensor& y, const uint8_t* mask, const std::vector<int64_t>& start, Isa set,
+                     const at::Tensor& values) {
   const int64_t n = y.numel();
-  const Isa set = cpu_kernels();
-  const std::vector<int64_t> start = chunk_starts(mask, n, set != kScalar);
-  at::Tensor values = at::empty({start.back()}, y.options());
   std::vector<int64_t> missed(start.size(), 0);
   dispatch_width(y, [&](auto u) {
     using U = decltype(u);
@@ -524,9 +525,28 @@ at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed
       missed[c] = compact_chunk<U>(in, mask, n, b0, b1, out + start[c]);
     });
   });
-  *missed_total = 0;
-  for (const int64_t m : missed) *missed_total += m;
+  int64_t total = 0;
+  for (const int64_t m : missed) total += m;
+  return total;
+}
+
+}  // namespace
+
+at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed_total) {
+  const Isa set = cpu_kernels();
+  const std::vector<int64_t> start = chunk_starts(mask, y.numel(), set != kScalar);
+  at::Tensor values = at::empty({start.back()}, y.options());
+  *missed_total = compact_from(y, mask, start, set, values);
   return values;
+}
+
+int64_t kept_count_cpu(const uint8_t* mask, int64_t n) { return chunk_starts(mask, n, cpu_kernels() != kScalar).back(); }
+
+int64_t compact_into_cpu(const at::Tensor& y, const uint8_t* mask, const at::Tensor& values) {
+  const Isa set = cpu_kernels();
+  const std::vector<int64_t> start = chunk_starts(mask, y.numel(), set != kScalar);
+  if (start.back() != values.numel()) return 1;  // (as on CUDA: counted as missed, nothing written)
+  return compact_from(y, mask, start, set, values);
 }
 
 void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out) {

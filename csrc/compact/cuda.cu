@@ -23,19 +23,28 @@ at::Tensor tile_ends(const uint8_t* mask, int64_t n, const at::Tensor& like, cud
   return at::cumsum(counts, 0);
 }
 
-// The total of tile_ends: the one device-to-host sync, to size (or check) values.
+// The total of tile_ends, read on the host: a device-to-host sync (compact and
+// a checked expand; save_compact's pack hook counts with compact_count and
+// reads the total through its deferred result instead).
 int64_t kept_total(const at::Tensor& ends) { return ends[ends.numel() - 1].item<int64_t>(); }
 
 }  // namespace
 
-at::Tensor compact_cuda(const at::Tensor& y, const uint8_t* mask, at::Tensor& missed) {
+at::Tensor compact_count_cuda(const at::Tensor& y, const uint8_t* mask) {
   const c10::cuda::CUDAGuard guard(y.device());
-  missed = at::zeros({}, y.options().dtype(at::kLong));
+  if (y.numel() == 0) return at::zeros({1}, y.options().dtype(at::kLong));
+  return tile_ends(mask, y.numel(), y, c10::cuda::getCurrentCUDAStream());
+}
+
+at::Tensor compact_into_cuda(const at::Tensor& y, const uint8_t* mask, const at::Tensor& ends, const at::Tensor& values) {
+  const c10::cuda::CUDAGuard guard(y.device());
   const int64_t n = y.numel();
-  if (n == 0) return at::empty({0}, y.options());
+  const int64_t tiles = std::max<int64_t>(1, (n + kTile - 1) / kTile);
+  TORCH_CHECK(ends.numel() == tiles, "relu_ext::compact_into: ends has ", ends.numel(),
+              " entries but compact_count gives ", tiles, " for ", n, " elements");
+  at::Tensor missed = at::full({}, n == 0 && values.numel() != 0 ? 1 : 0, y.options().dtype(at::kLong));
+  if (n == 0) return missed;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor ends = tile_ends(mask, n, y, stream);
-  at::Tensor values = at::empty({kept_total(ends)}, y.options());
   const bool vec = aligned16(y.const_data_ptr());
   dispatch_width(y, [&](auto u) {
     using U = decltype(u);
@@ -43,12 +52,25 @@ at::Tensor compact_cuda(const at::Tensor& y, const uint8_t* mask, at::Tensor& mi
     U* vp = static_cast<U*>(values.data_ptr());  // null when nothing is kept: then never written
     auto* mp = reinterpret_cast<unsigned long long*>(missed.data_ptr<int64_t>());
     const auto kernel = vec ? compact_kernel<U, 16 / sizeof(U)> : compact_kernel<U, 1>;
-    launch(kernel, (n + kTile - 1) / kTile * 32, y.get_device(), stream, yp, mask, ends.const_data_ptr<int64_t>(), n, vp, mp);
+    launch(kernel, (n + kTile - 1) / kTile * 32, y.get_device(), stream, yp, mask, ends.const_data_ptr<int64_t>(), n, vp,
+           values.numel(), mp);
   });
+  return missed;
+}
+
+at::Tensor compact_cuda(const at::Tensor& y, const uint8_t* mask, at::Tensor& missed) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  if (y.numel() == 0) {
+    missed = at::zeros({}, y.options().dtype(at::kLong));
+    return at::empty({0}, y.options());
+  }
+  const at::Tensor ends = compact_count_cuda(y, mask);
+  at::Tensor values = at::empty({kept_total(ends)}, y.options());
+  missed = compact_into_cuda(y, mask, ends, values);
   return values;
 }
 
-void expand_cuda(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out) {
+void expand_cuda(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out, bool check) {
   const int64_t n = out.numel(), total = values.numel();
   if (n == 0) {
     TORCH_CHECK(total == 0, "relu_ext::expand: the mask keeps 0 elements but values has ", total);
@@ -57,15 +79,18 @@ void expand_cuda(const at::Tensor& values, const uint8_t* mask, const at::Tensor
   const c10::cuda::CUDAGuard guard(out.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor ends = tile_ends(mask, n, out, stream);
-  const int64_t kept = kept_total(ends);
-  TORCH_CHECK(kept == total, "relu_ext::expand: the mask keeps ", kept, " elements but values has ", total);
+  if (check) {
+    const int64_t kept = kept_total(ends);
+    TORCH_CHECK(kept == total, "relu_ext::expand: the mask keeps ", kept, " elements but values has ", total);
+  }
   const bool vec = aligned16(out.data_ptr());
   dispatch_width(out, [&](auto u) {
     using U = decltype(u);
     const U* vp = static_cast<const U*>(values.const_data_ptr());
     U* op = static_cast<U*>(out.data_ptr());
     const auto kernel = vec ? expand_kernel<U, 16 / sizeof(U)> : expand_kernel<U, 1>;
-    launch(kernel, (n + kTile - 1) / kTile * 32, out.get_device(), stream, vp, mask, ends.const_data_ptr<int64_t>(), n, op);
+    launch(kernel, (n + kTile - 1) / kTile * 32, out.get_device(), stream, vp, total, mask, ends.const_data_ptr<int64_t>(),
+           n, op);
   });
 }
 

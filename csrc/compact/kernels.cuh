@@ -103,13 +103,16 @@ __device__ __forceinline__ void for_each_row(const uint8_t* mask, const int64_t*
   }
 }
 
-// values: exactly the kept elements; *missed (zeroed before) gets the number
-// of the others that are not +0, one atomic per warp.
+// values (`total` elements): the kept elements; *missed (zeroed before) gets
+// the number of the others that are not +0, one atomic per warp, and 1 more
+// where the mask keeps other than `total` elements (nothing is written past
+// values then): the size came from a count the host did not wait for.
 template <typename U, int V>
 __global__ void __launch_bounds__(kThreads)
     compact_kernel(const U* __restrict__ y, const uint8_t* __restrict__ mask, const int64_t* __restrict__ ends,
-                   int64_t n, U* __restrict__ values, unsigned long long* __restrict__ missed) {
+                   int64_t n, U* __restrict__ values, int64_t total, unsigned long long* __restrict__ missed) {
   unsigned long long dropped = 0;  // this lane's unkept elements that are not +0
+  if (blockIdx.x == 0 && threadIdx.x == 0 && ends[(n + kTile - 1) / kTile - 1] != total) dropped = 1;
   for_each_tile(n, [&](int64_t t, int lane) {
     Pack<U, V> in[kRowsInFlight];  // past n: +0, unkept
     for_each_row<V>(
@@ -118,7 +121,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int j = 0; j < V; ++j) {
             if ((bits >> j) & 1u) {
-              values[at++] = in[k].v[j];
+              if (at < total) values[at] = in[k].v[j];
+              ++at;
             } else {
               dropped += in[k].v[j] != U(0);
             }
@@ -130,19 +134,23 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The inverse: out gets values in the kept places and +0 elsewhere. Reads of
-// values stay below the mask's kept count, which the host has checked is
-// values' size.
+// values stay below `total`, its size (the mask keeps as many where the host
+// checked it, or where values came from compact with this mask).
 template <typename U, int V>
 __global__ void __launch_bounds__(kThreads)
-    expand_kernel(const U* __restrict__ values, const uint8_t* __restrict__ mask, const int64_t* __restrict__ ends,
-                  int64_t n, U* __restrict__ out) {
+    expand_kernel(const U* __restrict__ values, int64_t total, const uint8_t* __restrict__ mask,
+                  const int64_t* __restrict__ ends, int64_t n, U* __restrict__ out) {
   for_each_tile(n, [&](int64_t t, int lane) {
     for_each_row<V>(
         mask, ends, n, t, lane, [](int, int64_t) {},
         [&](int, int64_t first, uint32_t bits, int64_t at) {
           Pack<U, V> o;
 #pragma unroll
-          for (int j = 0; j < V; ++j) o.v[j] = ((bits >> j) & 1u) ? values[at++] : U(0);
+          for (int j = 0; j < V; ++j) {
+            const bool kept = (bits >> j) & 1u;
+            o.v[j] = kept && at < total ? values[at] : U(0);
+            at += kept;
+          }
           store<U, V>(out, first, n, o);
         });
   });

@@ -51,8 +51,39 @@ std::tuple<at::Tensor, at::Tensor> compact(const at::Tensor& y, const at::Tensor
   return {values, at::scalar_tensor(missed, y.options().dtype(at::kLong))};
 }
 
+// The two steps of compact without a host sync between them (see compact.h).
+at::Tensor compact_count(const at::Tensor& y, const at::Tensor& mask) {
+  check_compactable(y, "relu_ext::compact_count", "y");
+  check_compaction_mask(mask, y, "relu_ext::compact_count");
+#ifdef WITH_CUDA
+  if (y.is_cuda()) return compact_count_cuda(y, mask.const_data_ptr<uint8_t>());
+#endif
+  return at::full({1}, kept_count_cpu(mask.const_data_ptr<uint8_t>(), y.numel()), y.options().dtype(at::kLong));
+}
+
+at::Tensor compact_into(const at::Tensor& y, const at::Tensor& mask, const at::Tensor& ends, const at::Tensor& values) {
+  const char* op = "relu_ext::compact_into";
+  check_compactable(y, op, "y");
+  check_compaction_mask(mask, y, op);
+  TORCH_CHECK(values.device() == y.device() && values.scalar_type() == y.scalar_type(), op, ": values is ",
+              values.scalar_type(), " on ", values.device(), " but y is ", y.scalar_type(), " on ", y.device());
+  TORCH_CHECK(values.dim() == 1 && values.is_contiguous(), op, ": values must be 1-D and contiguous, got shape ",
+              values.sizes(), " and stride ", values.strides());
+  TORCH_CHECK(at::has_internal_overlap(values) == at::MemOverlap::No &&
+                  at::get_overlap_status(values, y) == at::MemOverlapStatus::No,
+              op, ": values must not overlap y");
+  TORCH_CHECK(ends.device() == y.device() && ends.scalar_type() == at::kLong && ends.dim() == 1 && ends.is_contiguous(),
+              op, ": ends must be compact_count's (1-D int64 on y's device), got ", ends.scalar_type(), " of shape ",
+              ends.sizes(), " on ", ends.device());
+#ifdef WITH_CUDA
+  if (y.is_cuda()) return compact_into_cuda(y, mask.const_data_ptr<uint8_t>(), ends, values);
+#endif
+  TORCH_CHECK(ends.numel() == 1, op, ": ends has ", ends.numel(), " entries but compact_count gives 1 on the CPU");
+  return at::scalar_tensor(compact_into_cpu(y, mask.const_data_ptr<uint8_t>(), values), y.options().dtype(at::kLong));
+}
+
 at::Tensor expand(const at::Tensor& values, const at::Tensor& mask, c10::SymIntArrayRef size,
-                  c10::SymIntArrayRef stride) {
+                  c10::SymIntArrayRef stride, bool check) {
   check_compactable(values, "relu_ext::expand", "values");
   TORCH_CHECK(values.dim() == 1, "relu_ext::expand: values must be 1-D, got shape ", values.sizes());
   at::Tensor out = at::empty_strided_symint(size, stride, values.options());
@@ -61,11 +92,11 @@ at::Tensor expand(const at::Tensor& values, const at::Tensor& mask, c10::SymIntA
   check_compaction_mask(mask, out, "relu_ext::expand");
 #ifdef WITH_CUDA
   if (out.is_cuda()) {
-    expand_cuda(values, mask.const_data_ptr<uint8_t>(), out);
+    expand_cuda(values, mask.const_data_ptr<uint8_t>(), out, check);
     return out;
   }
 #endif
-  expand_cpu(values, mask.const_data_ptr<uint8_t>(), out);
+  expand_cpu(values, mask.const_data_ptr<uint8_t>(), out);  // (checked always: the count is on the host)
   return out;
 }
 
@@ -231,7 +262,11 @@ at::Tensor bn_act_rebuild(const at::Tensor& x, const at::Tensor& alpha, const at
 std::tuple<at::Tensor, at::Tensor> compact_no_cuda(const at::Tensor&, const at::Tensor&) {
   no_cuda_kernels("relu_ext::compact");
 }
-at::Tensor expand_no_cuda(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef) {
+at::Tensor compact_count_no_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("relu_ext::compact_count"); }
+at::Tensor compact_into_no_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda_kernels("relu_ext::compact_into");
+}
+at::Tensor expand_no_cuda(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, bool) {
   no_cuda_kernels("relu_ext::expand");
 }
 at::Tensor nonzero_mask_no_cuda(const at::Tensor&) { no_cuda_kernels("relu_ext::nonzero_mask"); }
@@ -244,7 +279,14 @@ TORCH_LIBRARY_FRAGMENT(relu_ext, m) {
   // `missed` counts dropped elements that are not +0), back (expand), and the
   // bitmap of its nonzero elements. Not differentiable: they act on saved data.
   m.def("compact(Tensor y, Tensor mask) -> (Tensor values, Tensor missed)");
-  m.def("expand(Tensor values, Tensor mask, SymInt[] size, SymInt[] stride) -> Tensor");
+  // compact in two steps with no host sync between them: the count (`ends`,
+  // the device's tiling; its last entry the total), then the kept elements
+  // into `values` sized by that total (`missed` as compact's, and nonzero where
+  // values' size is not the total). expand without `check` trusts values' size
+  // (no sync on CUDA; never a read past values).
+  m.def("compact_count(Tensor y, Tensor mask) -> Tensor ends");
+  m.def("compact_into(Tensor y, Tensor mask, Tensor ends, Tensor(a!) values) -> Tensor missed");
+  m.def("expand(Tensor values, Tensor mask, SymInt[] size, SymInt[] stride, bool check=True) -> Tensor");
   m.def("nonzero_mask(Tensor y) -> Tensor");
   // A dense tensor of +0 and at most one other bit pattern (CPU dropout's
   // noise) as its nonzero_mask and that pattern (a scalar), `ok` false when y
@@ -269,6 +311,8 @@ TORCH_LIBRARY_FRAGMENT(relu_ext, m) {
 // The wrappers pick the kernel from the tensor's device, so both keys share them.
 TORCH_LIBRARY_IMPL(relu_ext, CPU, m) {
   m.impl("compact", &compact);
+  m.impl("compact_count", &compact_count);
+  m.impl("compact_into", &compact_into);
   m.impl("expand", &expand);
   m.impl("nonzero_mask", &nonzero_mask);
   m.impl("binary_mask", &binary_mask);
@@ -287,10 +331,14 @@ TORCH_LIBRARY_IMPL(relu_ext, CUDA, m) {
   m.impl("bn_act_rebuild", &bn_act_rebuild);
 #ifdef WITH_CUDA
   m.impl("compact", &compact);
+  m.impl("compact_count", &compact_count);
+  m.impl("compact_into", &compact_into);
   m.impl("expand", &expand);
   m.impl("nonzero_mask", &nonzero_mask);
 #else
   m.impl("compact", &compact_no_cuda);
+  m.impl("compact_count", &compact_count_no_cuda);
+  m.impl("compact_into", &compact_into_no_cuda);
   m.impl("expand", &expand_no_cuda);
   m.impl("nonzero_mask", &nonzero_mask_no_cuda);
 #endif

@@ -32,8 +32,20 @@ def _compact_fake(y: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return y.new_empty((kept,)), y.new_empty((), dtype=torch.int64)
 
 
+@torch.library.register_fake("relu_ext::compact_count")
+def _compact_count_fake(y: Tensor, mask: Tensor) -> Tensor:
+    # (The device's tiling: one entry on the CPU, one per 2048 elements on CUDA; csrc/compact/kernels.cuh.)
+    entries = 1 if y.device.type == "cpu" else max(1, (y.numel() + 2047) // 2048)
+    return y.new_empty((entries,), dtype=torch.int64)
+
+
+@torch.library.register_fake("relu_ext::compact_into")
+def _compact_into_fake(y: Tensor, mask: Tensor, ends: Tensor, values: Tensor) -> Tensor:
+    return y.new_empty((), dtype=torch.int64)
+
+
 @torch.library.register_fake("relu_ext::expand")
-def _expand_fake(values: Tensor, mask: Tensor, size: list[int], stride: list[int]) -> Tensor:
+def _expand_fake(values: Tensor, mask: Tensor, size: list[int], stride: list[int], check: bool = True) -> Tensor:
     return values.new_empty_strided(size, stride)
 
 

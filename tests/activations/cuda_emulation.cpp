@@ -555,7 +555,7 @@ void check_compaction(int64_t n, unsigned cap, int offset, int mask_kind, const 
   {  // compact: values sized exactly by the total, missed a counter between guards
     Buffer<U> values(kGuard + total + kGuard, poison);
     unsigned long long missed[3] = {0xA5A5A5A5ull, 0, 0xA5A5A5A5ull};
-    launch(relu_ext::compact_kernel<U, V>, grid, y, mask, ends, n, values.data + kGuard, &missed[1]);
+    launch(relu_ext::compact_kernel<U, V>, grid, y, mask, ends, n, values.data + kGuard, total, &missed[1]);
     for (int64_t i = 0; i < total; ++i) expect(values.data[kGuard + i] == want_values[i], "compact value", name, n, i);
     for (int64_t i = 0; i < kGuard; ++i) {
       expect(values.data[i] == poison, "compact: write before the values", name, n, i - kGuard);
@@ -565,11 +565,25 @@ void check_compaction(int64_t n, unsigned cap, int offset, int mask_kind, const 
     expect(missed[0] == 0xA5A5A5A5ull && missed[2] == 0xA5A5A5A5ull, "compact: write beside missed", name, n, 0);
     for (int64_t i = 0; i < n; ++i) expect(y[i] == y0[i], "compact: input changed", name, n, i);
   }
+  // values of another size than the count (a count the host did not wait for, gone wrong): one
+  // element short, nothing is written past them; either way, missed counts it.
+  for (const int64_t size : {total - 1, total + 1}) {
+    if (size < 0) continue;
+    Buffer<U> values(kGuard + size + kGuard, poison);
+    unsigned long long missed[3] = {0xA5A5A5A5ull, 0, 0xA5A5A5A5ull};
+    launch(relu_ext::compact_kernel<U, V>, grid, y, mask, ends, n, values.data + kGuard, size, &missed[1]);
+    for (int64_t i = 0; i < kGuard; ++i) {
+      expect(values.data[i] == poison, "compact into a wrong size: write before the values", name, n, i - kGuard);
+      expect(values.data[kGuard + size + i] == poison, "compact into a wrong size: write past the values", name, n,
+             size + i);
+    }
+    expect(missed[1] >= want_missed + 1, "compact into a wrong size: missed", name, n, size);
+  }
   {  // expand: values exactly the kept elements (a read past them is reported by ASan)
     Buffer<U> values(total, poison);
     std::copy(want_values.begin(), want_values.end(), values.data);
     Buffer<U> out(lead + n + kGuard, poison);
-    launch(relu_ext::expand_kernel<U, V>, grid, static_cast<const U*>(values.data), mask, ends, n, out.data + lead);
+    launch(relu_ext::expand_kernel<U, V>, grid, static_cast<const U*>(values.data), total, mask, ends, n, out.data + lead);
     int64_t rank = 0;
     for (int64_t i = 0; i < n; ++i) {
       const U want = keep(i) ? want_values[rank++] : U(0);
@@ -578,6 +592,19 @@ void check_compaction(int64_t n, unsigned cap, int offset, int mask_kind, const 
     for (int64_t i = 0; i < lead; ++i) expect(out.data[i] == poison, "expand: write before the output", name, n, i - lead);
     for (int64_t i = 0; i < kGuard; ++i) {
       expect(out.data[lead + n + i] == poison, "expand: write past the output", name, n, n + i);
+    }
+  }
+  if (total > 1) {  // values one short (an expand without the host's check): no read past them (ASan)
+    Buffer<U> values(total - 1, poison);
+    std::copy(want_values.begin(), want_values.end() - 1, values.data);
+    Buffer<U> out(lead + n, poison);
+    launch(relu_ext::expand_kernel<U, V>, grid, static_cast<const U*>(values.data), total - 1, mask, ends, n,
+           out.data + lead);
+    int64_t rank = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const U want = keep(i) && rank < total - 1 ? want_values[rank] : U(0);
+      rank += keep(i);
+      expect(out.data[lead + i] == want, "expand of values one short", name, n, i);
     }
   }
   if (mask_kind == kRandomMask) {  // nonzero_mask needs no mask: once per size, every unroll
