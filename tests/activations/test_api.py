@@ -137,7 +137,7 @@ def test_save_compact_gives_itself_and_counts_each_tensor_once():
     # x, a leaf that requires grad, is held outside the graph: the report lists it apart (the counters count it).
     assert text.splitlines()[0].startswith("relu_ext.save_compact: 5 tensors saved for backward")
     for words in ("compacted: 1 tensor,", "kept as they are: 4 tensors", "1 not an activation output", "1 too small",
-                  "1 too few zeros", "1 unsupported type", f"parameters: 1 tensor, {x.nbytes / 1024:.2f} KiB"):
+                  "1 too few zeros", "1 unsupported type", f"held outside the graph: 1 tensor, {x.nbytes / 1024:.2f} KiB"):
         assert words in text, (words, text)
     assert "replayed" not in text  # said only where a BatchNorm output was seen
     assert repr(sc) == (f"<relu_ext.save_compact min_saving=0.1 recompute=True replayed=0 compacted=1 concatenated=0 pooled=0 narrowed=0 two_valued=0 kept=5 "

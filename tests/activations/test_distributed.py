@@ -11,6 +11,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import relu_ext
+from relu_ext.compact.deferred import Deferred
+
+
+class _Unfinished:
+    """A stand-in for the CUDA event of a check (relu_ext.compact.deferred): never done until waited on."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
 
 
 def _node_names(y: torch.Tensor) -> set[str]:
@@ -29,8 +40,8 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         grads = {}
         runs = (("ours", relu_ext.ReLU), ("installed", torch.nn.ReLU), ("compact", torch.nn.ReLU), ("ref", torch.nn.ReLU),
                 ("family_ours", None), ("family_installed", None), ("family_ref", None),
-                ("bn_recompute", "bn"), ("bn_ref", "bn"))
-        replayed = 0
+                ("bn_recompute", "bn"), ("bn_pending", "bn"), ("bn_ref", "bn"))
+        replayed = dict.fromkeys(("bn_recompute", "bn_pending"), 0)
         for name, act in runs:
             hold = relu_ext.install() if name.endswith("installed") else None  # spawned: each process installs
             torch.manual_seed(0)
@@ -49,14 +60,19 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
             ddp = torch.nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             torch.manual_seed(100 + rank)  # each rank its own data
+            # bn_pending: no check comes back before backward (it reads each tensor as it is), see test_pending.
+            Deferred.stand_in = _Unfinished if name == "bn_pending" else None
             for _ in range(3):
                 opt.zero_grad()
-                sc = {"compact": relu_ext.save_compact(min_saving=0.0), "bn_recompute": relu_ext.save_compact()}.get(name)
+                sc = {"compact": relu_ext.save_compact(min_saving=0.0), "bn_recompute": relu_ext.save_compact(),
+                      "bn_pending": relu_ext.save_compact()}.get(name)
                 with sc or contextlib.nullcontext():
                     loss = ddp(torch.randn(64, 16)).square().mean()  # 64 x 128 ReLU outputs: compacted / replayed
-                replayed += sc.replayed if name == "bn_recompute" else 0
                 loss.backward()
+                if name in replayed:
+                    replayed[name] += sc.replayed  # (after backward: reading it waits for the checks)
                 opt.step()
+            Deferred.stand_in = None
             grads[name] = [p.grad.clone() for p in model.parameters()] + [p.detach().clone() for p in model.parameters()]
             grads[name + "_nodes"] = _node_names(ddp(torch.randn(2, 16)))
             if hold is not None:
@@ -82,10 +98,11 @@ def test_ddp_gloo_matches_nn_relu(tmp_path):
     for name in ("family_ours", "family_installed"):
         assert {"HardtanhExtBackward0", "LeakyReluExtBackward0"} <= grads[name + "_nodes"], grads[name + "_nodes"]
     assert "HardtanhBackward0" in grads["family_ref_nodes"]
-    assert len(grads["bn_recompute"]) == len(grads["bn_ref"]) == 20
-    for a, b in zip(grads["bn_recompute"], grads["bn_ref"]):
-        assert torch.equal(a, b)
-    assert grads["replayed"] == 3 * 2  # 3 steps, 2 ReLU outputs each (the second one 64 x 64 = 4096 elements)
+    assert len(grads["bn_recompute"]) == len(grads["bn_pending"]) == len(grads["bn_ref"]) == 20
+    for a, b, c in zip(grads["bn_recompute"], grads["bn_pending"], grads["bn_ref"]):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    # 3 steps, 2 ReLU outputs each (the second one 64 x 64 = 4096 elements)
+    assert grads["replayed"] == {"bn_recompute": 3 * 2, "bn_pending": 3 * 2}
 
 
 def _fsdp_worker(rank: int, world: int, init_file: str, out_file: str, version: int) -> None:

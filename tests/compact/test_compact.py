@@ -64,6 +64,27 @@ def test_ops_against_a_reference(n, dtype, device, cpu_isa):
         assert torch.equal(_bits(restored), torch.where(keep, bits, 0))
         if mask is empty:
             assert missed.item() == int((bits != 0).sum()) and (missed.item() > 0 or n < 64)
+        _check_two_steps(y, mask, values, missed, restored)
+
+
+def _check_two_steps(y: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, missed: torch.Tensor,
+                     restored: torch.Tensor) -> None:
+    """compact_count + compact_into give compact's values and missed; expand without its host check
+    gives the same; values of another size give a nonzero missed, and nothing is written past them."""
+    ends = _ops.compact_count(y, mask)
+    assert ends.dtype == torch.int64 and ends.dim() == 1 and ends[-1].item() == values.numel()
+    poison = torch.finfo(y.dtype).max
+    for size in (values.numel(), values.numel() - 1, values.numel() + 1):
+        if size < 0:
+            continue
+        buffer = torch.full((size + 64,), poison, dtype=y.dtype, device=y.device)
+        got = _ops.compact_into(y, mask, ends, buffer[:size])
+        assert (buffer[size:] == poison).all(), size
+        if size == values.numel():
+            assert torch.equal(_bits(buffer[:size]), _bits(values)) and got.item() == missed.item()
+        else:
+            assert got.item() >= 1, size
+    assert torch.equal(_bits(_ops.expand(values, mask, y.shape, y.stride(), False)), _bits(restored))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -86,6 +107,7 @@ def test_ops_reject_bad_input():
     y = torch.relu(torch.randn(100))
     mask = _ops.nonzero_mask(y)
     values, _ = _ops.compact(y, mask)
+    ends = _ops.compact_count(y, mask)
     bad = [
         (lambda: _ops.compact(y, mask[:5]), "mask has shape \\[5\\] but the tensor has 100 elements"),
         (lambda: _ops.compact(y, mask.int()), "mask has dtype Int; expected uint8"),
@@ -95,6 +117,12 @@ def test_ops_reject_bad_input():
         (lambda: _ops.expand(values[1:], mask, y.shape, y.stride()), "the mask keeps \\d+ elements but values has"),
         (lambda: _ops.expand(values, mask, (10, 10), (1, 1)), "are not a dense layout"),
         (lambda: _ops.expand(values.view(1, -1), mask, y.shape, y.stride()), "values must be 1-D"),
+        (lambda: _ops.compact_count(y, mask[:5]), "mask has shape \\[5\\] but the tensor has 100 elements"),
+        (lambda: _ops.compact_into(y, mask, ends, values.double()), "values is Double on cpu but y is Float"),
+        (lambda: _ops.compact_into(y, mask, ends, values.view(1, -1)), "values must be 1-D and contiguous"),
+        (lambda: _ops.compact_into(y, mask, ends, y[: values.numel()]), "values must not overlap y"),
+        (lambda: _ops.compact_into(y, mask, ends.int(), values), "ends must be compact_count's"),
+        (lambda: _ops.compact_into(y, mask, ends.repeat(2), values), "ends has 2 entries but compact_count gives 1"),
     ]
     for call, message in bad:
         with pytest.raises(RuntimeError, match=message):
@@ -110,14 +138,21 @@ def test_ops_are_not_differentiable():
     values, _ = _ops.compact(y.detach(), mask)
     with pytest.raises(RuntimeError, match="values requires grad, but compaction is not differentiable"):
         _ops.expand(values.requires_grad_(), mask, y.shape, y.stride())
+    ends = _ops.compact_count(y, mask)
+    with pytest.raises(RuntimeError, match="y requires grad, but compaction is not differentiable"):
+        _ops.compact_into(y, mask, ends, values.detach().clone())
+    with pytest.raises(RuntimeError, match="values requires grad, but compaction is not differentiable"):
+        _ops.compact_into(y.detach(), mask, ends, values)
 
 
-@pytest.mark.parametrize("op", ["compact", "expand", "nonzero_mask"])
+@pytest.mark.parametrize("op", ["compact", "compact_count", "compact_into", "expand", "nonzero_mask"])
 def test_opcheck(op):
     y = torch.relu(torch.randn(4, 8, 5, 5)).contiguous(memory_format=torch.channels_last)
     mask = _ops.nonzero_mask(y)
     values, _ = _ops.compact(y, mask)
-    args = {"compact": (y, mask), "expand": (values, mask, list(y.shape), list(y.stride())), "nonzero_mask": (y,)}[op]
+    args = {"compact": (y, mask), "compact_count": (y, mask),
+            "compact_into": (y, mask, _ops.compact_count(y, mask), torch.empty_like(values)),
+            "expand": (values, mask, list(y.shape), list(y.stride())), "nonzero_mask": (y,)}[op]
     torch.library.opcheck(getattr(_ops, op).default, args)
 
 
@@ -179,12 +214,14 @@ def test_layouts_come_back(relu):
 
 
 def _count_compactions(monkeypatch) -> list[Any]:
+    """The forms the pack hook's compaction makes (Compacted or None), listed as made."""
     made: list[Any] = []
     real = hooks._compacted
 
     def counting(t: torch.Tensor, min_saving: float) -> Any:
-        made.append(real(t, min_saving))
-        return made[-1]
+        packed, check = real(t, min_saving)
+        made.append(packed)
+        return packed, check
 
     monkeypatch.setattr(hooks, "_compacted", counting)
     return made
@@ -260,22 +297,44 @@ def test_what_is_not_a_relu_output_is_saved_as_usual(monkeypatch):
 
 
 def test_report_lists_parameters_apart():
-    """report()'s headline counts what the graph holds for the step; parameters and views of them,
-    held outside the graph anyway, come on a line of their own; the counters count everything."""
+    """report()'s headline counts what the graph holds for the step; parameters, buffers and views of
+    them, held outside the graph anyway, come on a line of their own; the counters count everything."""
     torch.manual_seed(0)
     lin, bn = torch.nn.Linear(128, 128), torch.nn.BatchNorm1d(128)
     x, w = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
     with relu_ext.save_compact() as sc:
         loss = (torch.relu(bn(lin(x))) * w).sum()  # saved, not made here: x, lin.weight.t(), bn's weight, w
     loss.backward()
-    apart = x.nbytes + lin.weight.nbytes + bn.weight.nbytes + w.nbytes
+    # (and the BatchNorm's running mean and variance, which PyTorch's CPU kernel saves in training too)
+    apart = x.nbytes + lin.weight.nbytes + bn.weight.nbytes + w.nbytes + 2 * bn.running_mean.nbytes
     lines = sc.report().splitlines()
-    assert lines[-1].startswith(f"  parameters: 4 tensors, {apart / 1024:.2f} KiB (and views of them"), lines
+    assert lines[-1] == (f"  held outside the graph: 6 tensors, {apart / 1024:.2f} KiB "
+                         "(parameters, buffers, inputs and views of them)"), lines
     made = sc.bytes_saved_for_backward - apart
     held = sc.bytes_held - apart
-    assert lines[0] == (f"relu_ext.save_compact: {sc.replayed + sc.compacted + sc.kept - 4} tensors saved for "
+    assert lines[0] == (f"relu_ext.save_compact: {sc.replayed + sc.compacted + sc.kept - 6} tensors saved for "
                         f"backward, {made / 1024:.2f} KiB, held in {held / 1024:.2f} KiB ({100 * held / made:.1f}%)"), lines
     assert sc.replayed == 1 and sc.kept_by_reason["not_activation"] > 4, sc.report()
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_report_lists_buffers_and_inputs_apart(mode):
+    """What no node made and the graph saves as it is: held outside the graph where something else
+    still holds it when the block exits (a BatchNorm's running statistics, the step's input, which
+    requires no grad), not where only the graph does (the batch statistics it saves in training, a
+    temporary tensor)."""
+    torch.manual_seed(0)
+    lin, bn = torch.nn.Linear(128, 128), torch.nn.BatchNorm1d(128)
+    getattr(bn, mode)()
+    x = torch.randn(64, 128)
+    with relu_ext.save_compact() as sc:
+        loss = torch.relu(bn(lin(x))).sum() + (torch.randn(64, 128) * lin(x)).sum()
+    lines = sc.report().splitlines()
+    # x (saved twice: counted once), bn.weight, its running mean and variance (not lin.weight.t(): x
+    # requires no grad); not the temporary, nor the saved batch statistics
+    apart = x.nbytes + bn.weight.nbytes + 2 * bn.running_mean.nbytes
+    assert lines[-1].startswith(f"  held outside the graph: 4 tensors, {apart / 1024:.2f} KiB"), lines
+    loss.backward()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,

@@ -14,8 +14,18 @@ training steps through every form to check it.
 
 from __future__ import annotations
 
+from typing import Callable, ClassVar, Protocol
+
 import torch
 from torch import Tensor
+
+
+class Event(Protocol):
+    """What :class:`Deferred` asks of an event: ``torch.cuda.Event``'s two methods."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
 
 
 class Deferred:
@@ -28,8 +38,12 @@ class Deferred:
 
     __slots__ = ("_host", "_event")
 
+    # Tests set this to make every Deferred wait on events of their own, on the CPU too, which
+    # they complete when they choose (tests/compact/test_pending.py). None: CUDA events.
+    stand_in: ClassVar[Callable[[], Event] | None] = None
+
     def __init__(self, value: Tensor) -> None:
-        self._event: torch.cuda.Event | None = None
+        self._event: Event | None = None
         if value.device.type == "cuda":
             host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             host.copy_(value, non_blocking=True)
@@ -38,10 +52,14 @@ class Deferred:
             self._host = host
         else:
             self._host = value.detach()
+        if Deferred.stand_in is not None:
+            self._event = Deferred.stand_in()
 
     def done(self) -> bool:
         """Whether the value has reached the host (never blocks)."""
-        return self._event is None or self._event.query()
+        if self._event is not None and self._event.query():
+            self._event = None
+        return self._event is None
 
     def get(self) -> Tensor:
         """The value on the host, waiting for its copy (and what the device had queued before it)."""
@@ -53,6 +71,10 @@ class Deferred:
     def flag(self) -> bool:
         """The value as a bool (one element), waiting as :meth:`get`."""
         return bool(self.get())
+
+    def now(self) -> bool | None:
+        """The value as a bool where it has reached the host, else None (never blocks)."""
+        return self.flag() if self.done() else None
 
     def ints(self) -> list[int]:
         """The value's elements as Python ints, waiting as :meth:`get`."""

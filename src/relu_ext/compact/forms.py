@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .bits import _bool_bits, _bools_of, _same_bits
+from .bits import _bool_bits, _bools_of, _same_bits_later
 from .deferred import Deferred
 from .graph import _inputs
 
@@ -39,22 +39,48 @@ class _Shared:
     once: the first unpack keeps the result until the last of them has
     unpacked it, as the graph would have held the tensor without hooks.
     Unpacked again (retain_graph), it is rebuilt again each time.
+
+    A form whose check runs on the device (a recipe verified bit for bit)
+    holds the tensor itself (``whole``) until the check's value reaches the
+    host (see hooks._Packer.resolve): then it drops the tensor, or, where the
+    check failed, keeps it and is the tensor as it is from then on. Until then
+    it is that tensor too: an unpack returns it, exactly, without waiting.
     """
 
-    __slots__ = ("pending", "restored", "nbytes", "depth", "__weakref__")
+    __slots__ = ("pending", "restored", "nbytes", "depth", "whole", "__weakref__")
     kind: ClassVar[str]  # what save_compact counts it as (a key of stats._KINDS)
+    missed_as: ClassVar[str] = "not_activation"  # why a tensor whose check failed is counted as kept
 
     def __init__(self, nbytes: int, depth: int = 1) -> None:
         self.nbytes = nbytes  # what it adds to the graph
         self.depth = depth  # passes over a tensor that rebuild() makes
         self.pending = 0  # nodes that saved this and have not unpacked it yet
         self.restored: Tensor | None = None
+        self.whole: _Dense | None = None  # the tensor itself, while the check runs or after it failed
+
+    def hold(self, t: Tensor) -> None:
+        """Stand for `t` as `t` itself until resolved()."""
+        self.whole = _Dense(t)
+
+    def checked(self, check: Deferred) -> bool | str | Deferred:
+        """The form's check is back: True where the form is exact, else why the tensor is kept as it is
+        (a key of stats._REASONS), or the next check to wait for (a form made in steps)."""
+        return True if check.flag() else self.missed_as
+
+    def resolved(self, exact: bool) -> None:
+        """The last check is back: drop the tensor where this form is `exact`, else keep it from now on."""
+        if exact:
+            self.whole = None
 
     def rebuild(self) -> Tensor:
         raise NotImplementedError
 
     def fresh(self) -> bool:
-        """Whether rebuild() would succeed: what it reads has not changed since."""
+        """Whether current() would succeed: the tensor held is unchanged, or what rebuild() reads."""
+        return self.whole.unchanged() if self.whole is not None else self._fresh()
+
+    def _fresh(self) -> bool:
+        """fresh() of the form itself (no tensor held)."""
         return True
 
     def current(self, keep: bool = False) -> Tensor:
@@ -62,7 +88,7 @@ class _Shared:
         and with `keep`, kept for the pending unpacks (those of a backward that is about to need it)."""
         if self.restored is not None:
             return self.restored
-        t = self.rebuild()
+        t = self.whole.restore() if self.whole is not None else self.rebuild()
         if keep and self.pending > 0:
             self.restored = t
         return t
@@ -70,10 +96,20 @@ class _Shared:
     def live(self) -> Tensor:
         """The saved tensor while packing, to verify a recipe that reads this with: what is held
         now, else rebuilt from what its sources hold now; nothing is kept for backward."""
+        return self.whole.restore() if self.whole is not None else self._live()
+
+    def _live(self) -> Tensor:
+        """live() of the form itself (no tensor held)."""
         return self.current()
 
     def gathered(self, indices: Tensor, size: Any, stride: Any) -> Tensor:
         """live()'s elements at max-pool `indices` (see _gathered), to verify a Pooled recipe with."""
+        if self.whole is not None:
+            return _gathered(self.whole.restore(), indices, size, stride)
+        return self._gather(indices, size, stride)
+
+    def _gather(self, indices: Tensor, size: Any, stride: Any) -> Tensor:
+        """gathered() of the form itself (no tensor held)."""
         return _gathered(self.live(), indices, size, stride)
 
     def restore(self) -> Tensor:
@@ -83,24 +119,81 @@ class _Shared:
         self.restored = t if self.pending > 0 else None
         return t
 
+    def held(self) -> tuple[Tensor, ...]:
+        """The tensors this keeps alive (for memory accounting): the form's, and the tensor while held."""
+        return self._held() + (() if self.whole is None else self.whole.held())
+
+    def _held(self) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
 
 class Compacted(_Shared):
-    """A saved tensor as its kept elements and a bitmap of where they are."""
+    """A saved tensor as its kept elements and a bitmap of where they are: the bitmap of its nonzero
+    elements, or its node's own mask (relu_ext's), which then costs nothing more.
 
-    __slots__ = ("values", "mask", "size", "stride")
+    Made in steps, each waiting for a value from the device (see _Shared.hold and ``checked``): the
+    count of kept elements, which sizes the values and says whether they save enough; then, with
+    the node's mask, whether it restores the tensor (not where the tensor holds -0.0, or changed
+    after the node), else the nonzero bitmap's count again."""
+
+    __slots__ = ("values", "mask", "shared", "ends", "limit", "size", "stride", "stream")
     kind = "compacted"
+    missed_as = "unsupported"  # (changed in place before it was compacted)
 
-    def __init__(self, values: Tensor, mask: Tensor, like: Tensor) -> None:
-        super().__init__(values.nbytes + mask.nbytes)  # (less when the mask is the node's: see _compacted)
-        self.values, self.mask, self.size, self.stride = values, mask, like.size(), like.stride()
+    def __init__(self, y: Tensor, mask: Tensor | None, limit: float) -> None:
+        super().__init__(0)
+        self.shared = mask is not None
+        self.mask = mask if mask is not None else _ops.nonzero_mask(y)
+        self.limit = limit  # the most bytes it may hold
+        self.values: Tensor | None = None
+        self.ends: Tensor | None = _ops.compact_count(y, self.mask)
+        self.size, self.stride = y.size(), y.stride()
+        self.stream = torch.cuda.current_stream(y.device) if y.is_cuda else None
+
+    def counted(self) -> Deferred:
+        """The first step's check: the number of kept elements."""
+        assert self.ends is not None
+        return Deferred(self.ends[-1:])
+
+    def checked(self, check: Deferred) -> bool | str | Deferred:
+        """The next step once `check` is back (see _Shared.checked), compacting the tensor held, on the
+        stream it was packed on (which made it)."""
+        if self.stream is None:
+            return self._step(check)
+        with torch.cuda.stream(self.stream):
+            return self._step(check)
+
+    def _step(self, check: Deferred) -> bool | str | Deferred:
+        """checked() on the current stream."""
+        assert self.whole is not None
+        y = self.whole.tensor
+        if not self.whole.unchanged():
+            return self.missed_as
+        if self.values is None:  # the count is back
+            assert self.ends is not None
+            kept = check.ints()[0]
+            cost = kept * y.element_size() + (0 if self.shared else self.mask.nbytes)
+            if cost > self.limit:
+                return "too_few_zeros"
+            self.values = y.new_empty((kept,))
+            missed = _ops.compact_into(y, self.mask, self.ends, self.values)
+            self.ends, self.nbytes = None, cost
+            return Deferred(missed == 0) if self.shared else True
+        if check.flag():
+            return True
+        # Its node's mask does not restore it: its own bitmap, counted again.
+        self.shared, self.values = False, None
+        self.mask = _ops.nonzero_mask(y)
+        self.ends = _ops.compact_count(y, self.mask)
+        return self.counted()
 
     def rebuild(self) -> Tensor:
-        """The saved tensor, bit for bit, in its own layout."""
-        return _ops.expand(self.values, self.mask, self.size, self.stride)
+        """The saved tensor, bit for bit, in its own layout (values sized from this mask's count)."""
+        return _ops.expand(self.values, self.mask, self.size, self.stride, False)
 
-    def held(self) -> tuple[Tensor, ...]:
+    def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
-        return self.values, self.mask
+        return (self.mask,) if self.values is None else (self.values, self.mask)
 
 
 class _Dense:
@@ -117,6 +210,10 @@ class _Dense:
         _check_version(self.tensor, self.version, "checked by relu_ext.save_compact, which saved it as it was")
         return self.tensor
 
+    def unchanged(self) -> bool:
+        """Whether the tensor is at the version it was saved at."""
+        return self.tensor._version == self.version
+
     def held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
         return (self.tensor,)
@@ -131,6 +228,7 @@ class Replayed(_Shared):
 
     __slots__ = ("x", "version", "alpha", "beta", "act", "args", "x2", "version2", "alpha2", "beta2")
     kind = "replayed"
+    missed_as = "not_replayed"
 
     def __init__(self, x: Tensor | _Shared, alpha: Tensor, beta: Tensor, act: str, args: list[float],
                  second: tuple[Tensor | _Shared, Tensor, Tensor] | None = None) -> None:
@@ -146,11 +244,11 @@ class Replayed(_Shared):
         """The saved tensor, bit for bit, in its own layout (the BatchNorm input's)."""
         return self._make(live=False)
 
-    def live(self) -> Tensor:
+    def _live(self) -> Tensor:
         """The saved tensor while packing (see _Shared.live)."""
         return self._make(live=True)
 
-    def gathered(self, indices: Tensor, size: Any, stride: Any) -> Tensor:
+    def _gather(self, indices: Tensor, size: Any, stride: Any) -> Tensor:
         """The recipe's elements at max-pool `indices`, made from its sources' elements there: a
         pool's output rebuilt without the pool's input (a pass over the whole input saved). Not float16:
         the replay's vector and scalar conversions round NaN payloads apart, so its bits can depend on
@@ -179,12 +277,12 @@ class Replayed(_Shared):
             _check_version(x2, self.version2, why)
         return x, x2
 
-    def fresh(self) -> bool:
+    def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
         return all(s.fresh() if isinstance(s, _Shared) else s is None or s._version == v
                    for s, v in ((self.x, self.version), (self.x2, self.version2)))
 
-    def held(self) -> tuple[Tensor, ...]:
+    def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive beyond what the graph holds anyway (for memory accounting)."""
         return tuple(t for t in (self.alpha, self.beta, self.alpha2, self.beta2) if t is not None)
 
@@ -208,17 +306,19 @@ class Concatenated(_Shared):
         self.dim, self.inputs, self.size, self.stride = dim, _inputs(t), t.size(), t.stride()
         self.source, self.source_version = weakref.ref(t), t._version  # (verified equal to this, see live())
 
-    def extends(self, t: Tensor, dim: int) -> bool:
-        """Whether `t` begins with this concatenation: the same inputs (nodes) first, then more,
-        and bit for bit the same elements."""
+    def extends(self, t: Tensor, dim: int) -> Tensor | None:
+        """Whether `t` begins with this concatenation: None where its inputs (nodes) do not begin
+        with this one's, else whether its elements do, bit for bit (a bool tensor on its device, not
+        read: see _same_bits_later). Compared with the pieces, whether or not this one's own check
+        has come back: they are what the next one would share."""
         inputs = _inputs(t)
-        if dim != self.dim or len(inputs) <= len(self.inputs) or self.size[dim] >= t.shape[dim] or not self.fresh():
-            return False
+        if dim != self.dim or len(inputs) <= len(self.inputs) or self.size[dim] >= t.shape[dim] or not self._fresh():
+            return None
         if any(a is not b or i != j for (a, i), (b, j) in zip(self.inputs, inputs)):
-            return False
+            return None
         lengths = [piece.shape[dim] for piece in self.pieces]
         parts = t.split([*lengths, t.shape[dim] - self.size[dim]], dim)
-        return _same_bits(list(zip(parts, self.pieces)))
+        return _same_bits_later(list(zip(parts, self.pieces)))
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
@@ -232,16 +332,16 @@ class Concatenated(_Shared):
             out = torch.empty_strided(self.size, self.stride, dtype=out.dtype, device=out.device).copy_(out)
         return out
 
-    def fresh(self) -> bool:
+    def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the first piece is at the version it had."""
         return self.pieces[0]._version == self.version
 
-    def live(self) -> Tensor:
+    def _live(self) -> Tensor:
         """The saved tensor: the concatenation itself while it is alive and unchanged, else rebuilt."""
         t = self.source()
         return t if t is not None and t._version == self.source_version else self.rebuild()
 
-    def held(self) -> tuple[Tensor, ...]:
+    def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting; the pieces are shared along a chain)."""
         return self.pieces
 
@@ -256,22 +356,34 @@ class Narrowed(_Shared):
 
     Until the context exits it holds the tensor itself: only then is it known whether the graph
     is its only holder (max-pool indices: yes; a user's token ids: no, and a narrowed copy would
-    add bytes, not save them). ``settle()`` decides then."""
+    add bytes, not save them). ``measure()`` starts reading its range then, and ``settle()``
+    decides once the range has come back (``measured()``)."""
 
-    __slots__ = ("tensor", "version", "dtype", "narrow")
+    __slots__ = ("tensor", "version", "dtype", "narrow", "range")
     kind = "narrowed"
 
     def __init__(self, t: Tensor) -> None:
         super().__init__(t.nbytes)
         self.tensor: Tensor | None = t
         self.version, self.dtype, self.narrow = t._version, t.dtype, None
+        self.range: Deferred | None = None
+
+    def measure(self) -> None:
+        """Start reading the tensor's smallest and largest value (see settle)."""
+        if self.tensor is not None and self.tensor._version == self.version:
+            self.range = Deferred(torch.stack(torch.aminmax(self.tensor)))
+
+    def measured(self) -> bool:
+        """Whether settle() would not wait: the range is back, or none was measured."""
+        return self.range is None or self.range.done()
 
     def settle(self) -> bool:
         """Keep the narrowed copy instead of the tensor where that is exact and frees it; whether it did."""
-        t = self.tensor
-        if t is None or t._version != self.version:  # (changed in place: restore() raises PyTorch's error)
+        t, measured = self.tensor, self.range
+        self.range = None
+        if t is None or measured is None or t._version != self.version:  # (changed: restore() raises PyTorch's error)
             return False
-        lo, hi = Deferred(torch.stack(torch.aminmax(t))).ints()
+        lo, hi = measured.ints()
         bits = torch.iinfo(t.dtype).bits
         fits = [d for d in _NARROWER if torch.iinfo(d).bits < bits and torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
         if not fits:
@@ -293,15 +405,15 @@ class Narrowed(_Shared):
         assert self.narrow is not None
         return self.narrow.to(self.dtype)
 
-    def fresh(self) -> bool:
+    def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensor, until settled, is at the version it had."""
         return self.tensor is None or self.tensor._version == self.version
 
-    def live(self) -> Tensor:
+    def _live(self) -> Tensor:
         """The saved tensor (not widened again while the tensor itself is held)."""
         return self.tensor if self.tensor is not None else self.current()
 
-    def held(self) -> tuple[Tensor, ...]:
+    def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
         return (self.tensor,) if self.tensor is not None else (self.narrow,)
 
@@ -326,12 +438,17 @@ class TwoValued(_Shared):
         self.ref, self.version = weakref.ref(t), t._version
 
     @staticmethod
-    def of(t: Tensor) -> TwoValued | None:
-        """`t` as a bitmap and its one nonzero bit pattern, or None where it has a second one."""
+    def of(t: Tensor) -> tuple[TwoValued | None, Deferred | None]:
+        """`t` as a bitmap and its one nonzero bit pattern, or None where it has a second one; and
+        the check that says so, where it has not come back yet (see _Shared.hold)."""
         if t.dtype == torch.bool:
-            return TwoValued(_bool_bits(t), None, t)
+            return TwoValued(_bool_bits(t), None, t), None
         mask, value, ok = _ops.binary_mask(t)
-        return TwoValued(mask, value, t) if Deferred(ok).flag() else None
+        check = Deferred(ok)
+        exact = check.now()
+        if exact is False:
+            return None, None
+        return TwoValued(mask, value, t), check if exact is None else None
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
@@ -342,12 +459,12 @@ class TwoValued(_Shared):
             return _bools_of(self.mask, self.size, self.stride)
         return _ops.binary_expand(self.mask, self.value, self.size, self.stride)
 
-    def fresh(self) -> bool:
+    def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensor is gone, or at the version it had."""
         t = self.ref()
         return t is None or t._version == self.version
 
-    def held(self) -> tuple[Tensor, ...]:
+    def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
         return (self.mask,) if self.value is None else (self.mask, self.value)
 
@@ -372,7 +489,7 @@ class Pooled(_Shared):
         kept for it)."""
         return self._make(live=False)
 
-    def live(self) -> Tensor:
+    def _live(self) -> Tensor:
         """The saved tensor while packing (see _Shared.live)."""
         return self._make(live=True)
 
@@ -382,12 +499,12 @@ class Pooled(_Shared):
                       for s, v in ((self.x, self.version), (self.indices, self.iversion)))
         return _gathered(x, indices, self.size, self.stride)
 
-    def fresh(self) -> bool:
+    def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
         return all(s.fresh() if isinstance(s, _Shared) else s._version == v
                    for s, v in ((self.x, self.version), (self.indices, self.iversion)))
 
-    def held(self) -> tuple[Tensor, ...]:
+    def _held(self) -> tuple[Tensor, ...]:
         """Nothing the graph does not hold anyway (for memory accounting)."""
         return ()
 

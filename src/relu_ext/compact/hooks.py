@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -11,12 +12,17 @@ from torch.nn import Parameter
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .bits import _is_dense
-from .forms import Concatenated, Narrowed, TwoValued, _Dense, _ViewOf
+from .deferred import Deferred
+from .forms import Concatenated, Narrowed, TwoValued, _Dense, _Shared, _ViewOf
 from .graph import _CAT, _MAX_POOL, _after_batchnorm, _cat_dim, _made_by, _mostly_zeros, _note_kept
 from .recipes import _compacted, _concatenation, _pooled, _replayed
 from .stats import _Stats
 
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
+# Bytes of tensors held as they are while their form's check runs on the device; past this the pack
+# hook waits for the oldest check. A few layers' outputs at GPU sizes: enough for the device to stay
+# ahead of the host, small beside a step's activations.
+_WAITING_BYTES = 256 << 20
 
 
 class save_compact(torch.autograd.graph.saved_tensors_hooks):
@@ -47,8 +53,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     (under 4096 elements), ``too_few_zeros``, ``unsupported``),
     ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
     ``bytes_held`` (what it holds with them; a relu_ext mask or a BatchNorm
-    input held anyway is not counted), ``report()`` in words (parameters
-    apart) and ``repr()``. Details: docs/save_compact.md.
+    input held anyway is not counted), ``report()`` in words (what is held
+    outside the graph apart) and ``repr()``. Details: docs/save_compact.md.
 
     Args:
         min_saving (float): compact a tensor only if that saves at least this
@@ -70,7 +76,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         relu_ext.save_compact: 2 tensors saved for backward, 128.00 KiB, held in 97.93 KiB (76.5%)
           compacted: 1 tensor, 64.00 KiB held in 33.93 KiB
           kept as they are: 1 tensor, 64.00 KiB: 1 not an activation output
-          parameters: 1 tensor, 10.00 KiB (and views of them, and other leaves that require grad: held outside the graph anyway)
+          held outside the graph: 1 tensor, 10.00 KiB (parameters, buffers, inputs and views of them)
 
     (The ReLU's output, saved by its node and by the second Linear, is compacted once.)
     """
@@ -95,78 +101,87 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     @property
     def compacted(self) -> int:
         """Distinct tensors saved for backward that were kept compacted."""
-        return self._stats.count["compacted"]
+        return self._settled().count["compacted"]
 
     @property
     def replayed(self) -> int:
         """Distinct tensors saved for backward that were kept as recipes (rebuilt from their BatchNorm)."""
-        return self._stats.count["replayed"]
+        return self._settled().count["replayed"]
 
     @property
     def replay_misses(self) -> int:
         """Recipes that failed their bit-for-bit check when saved (those tensors were compacted or kept)."""
-        return self._stats.replay_misses
+        return self._settled().replay_misses
 
     @property
     def concatenated(self) -> int:
         """Distinct concatenations saved for backward (DenseNet's) kept as pieces shared with the one before."""
-        return self._stats.count["concatenated"]
+        return self._settled().count["concatenated"]
 
     @property
     def pooled(self) -> int:
         """Distinct max-pool outputs saved for backward kept as recipes (the pool's input at its indices)."""
-        return self._stats.count["pooled"]
+        return self._settled().count["pooled"]
 
     @property
     def narrowed(self) -> int:
         """Distinct integer tensors saved for backward (max-pool indices, ...) kept in a narrower integer type."""
-        return self._stats.count["narrowed"]
+        return self._settled().count["narrowed"]
 
     @property
     def two_valued(self) -> int:
         """Distinct floating-point tensors saved for backward that no node made, of +0 and one other value
         (CPU dropout's noise), kept as a bitmap and that value."""
-        return self._stats.count["two_valued"]
+        return self._settled().count["two_valued"]
 
     @property
     def kept(self) -> int:
         """Distinct tensors saved for backward as they are (``kept_by_reason`` says why)."""
-        return self._stats.kept
+        return self._settled().kept
 
     @property
     def kept_by_reason(self) -> dict[str, int]:
         """``kept`` by reason: ``not_activation``, ``unsupported``, ``too_small``, ``too_few_zeros``."""
-        return dict(self._stats.kept_by_reason)
+        return dict(self._settled().kept_by_reason)
 
     @property
     def bytes_saved_for_backward(self) -> int:
         """Bytes of the distinct tensors saved for backward: what the graph would hold without the hooks."""
-        return sum(self._stats.nbytes.values())
+        return sum(self._settled().nbytes.values())
 
     @property
     def bytes_held(self) -> int:
         """Bytes the graph holds for them: tensors kept as they are, the compacted ones' values and bitmaps,
         the recipes' per-channel terms, the concatenations' own pieces, the narrowed integer tensors, the
         two-valued tensors' bitmaps."""
-        return sum(self._stats.held.values())
+        return sum(self._settled().held.values())
 
     def report(self) -> str:
         """What the hooks did, in words (see the class documentation)."""
-        return self._stats.report()
+        return self._settled().report()
+
+    def _settled(self) -> _Stats:
+        """The counts, once every check the hooks hold has come back (reading them waits for those)."""
+        self._packer.settle()
+        return self._stats
 
     def __repr__(self) -> str:
-        fields = {**self._stats.counts(), "bytes_saved_for_backward": self.bytes_saved_for_backward,
+        fields = {**self._settled().counts(), "bytes_saved_for_backward": self.bytes_saved_for_backward,
                   "bytes_held": self.bytes_held}
         return (f"<relu_ext.save_compact min_saving={self.min_saving} recompute={self.recompute} "
                 + " ".join(f"{name}={value}" for name, value in fields.items()) + ">")
 
 
-def _unpack_hook() -> Callable[[Any], Tensor]:
+def _unpack_hook(packer: weakref.ref) -> Callable[[Any], Tensor]:
     """An unpack hook of a context's own: the graph holds it and recipes tell this context's saved forms
-    by it (``SavedTensor.unpack_hook is``), so each context has one, and it holds nothing (not the
-    packer's state, which the graph would then keep alive)."""
+    by it (``SavedTensor.unpack_hook is``), so each context has one, and it holds its packer weakly
+    (the graph would otherwise keep the packer's state alive): each unpack resolves the checks that
+    have come back (_Packer.poll)."""
 
     def unpack(packed: Any) -> Tensor:
+        owner = packer()
+        if owner is not None:
+            owner.poll()
         return packed.restore()
 
     return unpack
@@ -178,7 +193,7 @@ class _Packer:
 
     def __init__(self, min_saving: float, recompute: bool, stats: _Stats) -> None:
         self.min_saving, self.recompute, self.stats = min_saving, recompute, stats
-        self.unpack = _unpack_hook()
+        self.unpack = _unpack_hook(weakref.ref(self))
         # Saved by several nodes (a ReLU output and the conv after it), a tensor
         # is compacted once. Keyed by the tensor itself, weakly: data pointers
         # are reused as soon as memory is freed. None: saved as it is.
@@ -195,9 +210,23 @@ class _Packer:
         self.ints: dict[int, Narrowed] = {}
         # The last concatenation kept in pieces, by its dimension and its other sizes (_concatenation).
         self.chains: dict[tuple[Any, ...], weakref.ref] = {}
+        # Forms whose check has not come back, oldest first, each with the bytes of the tensor it holds
+        # until then, and those bytes in all.
+        self.waiting: deque[_Check] = deque()
+        self.waiting_bytes = 0
+        self.budget = _WAITING_BYTES
+        # Narrowed tensors whose range is on its way (after the exit), oldest first.
+        self.narrowing: deque[Narrowed] = deque()
+        # Tensors saved as they are that no node made and nothing marks as held elsewhere (buffers,
+        # inputs), weakly, with their bytes: held outside the graph if alive when the block exits.
+        self.unmade: list[tuple[weakref.ref, int]] = []
 
     def pack(self, t: Tensor) -> Any:
-        """The pack hook: `t` in the form it is kept in until backward unpacks it."""
+        """The pack hook: `t` in the form it is kept in until backward unpacks it. Under CUDA-graph
+        capture, as it is: a check could not come back before the graph is replayed."""
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            return _Dense(t)
+        self.poll()
         base = t._base
         if base is not None and _alias(t, base):
             t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
@@ -240,7 +269,7 @@ class _Packer:
         packed = self.ints.get(id(t))
         if packed is None or packed.version != t._version:
             packed = self.ints[id(t)] = Narrowed(t)
-            self.stats.keep("not_activation", t)  # (until settled)
+            self.stats.keep("not_activation", t.nbytes)  # (until settled)
         packed.pending += 1
         return packed
 
@@ -249,9 +278,11 @@ class _Packer:
         hit = self.cache.get(t)
         if hit is None or hit[0] != t._version:
             with torch.no_grad():
-                packed = TwoValued.of(t)
+                packed, check = TwoValued.of(t)
             hit = self.cache[t] = (t._version, packed)
-            if packed is not None:
+            if check is not None:
+                self._hold(packed, t, check)
+            elif packed is not None:
                 self.stats.add(packed.kind, t.nbytes, packed.nbytes)
         if hit[1] is not None:
             hit[1].pending += 1
@@ -264,50 +295,125 @@ class _Packer:
         if ref is None or ref() is not t:
             self.seen[key] = weakref.ref(t)
             base = t._base if t._base is not None else t
-            # A parameter, a view of one, or another leaf that requires grad: held outside the graph. Buffers
-            # and inputs that require no grad are not told apart from what the step made without autograd
-            # (BatchNorm's saved mean): no attribute marks them.
-            leaf = why == "not_activation" and base.grad_fn is None and (base.requires_grad or isinstance(base, Parameter))
-            self.stats.keep(why, t, leaf)
+            # Held outside the graph: a parameter, a view of one, another leaf that requires grad; and
+            # what no node made that something else still holds when the block exits (a buffer, the
+            # step's input: see exit). What the step made without autograd (BatchNorm's saved mean)
+            # only the graph holds by then.
+            outside = why == "not_activation" and base.grad_fn is None
+            leaf = outside and (base.requires_grad or isinstance(base, Parameter))
+            self.stats.keep(why, t.nbytes, leaf)
+            if outside and not leaf:
+                self.unmade.append((weakref.ref(base), t.nbytes))
             if len(self.seen) > self.prune_at:
                 for dead in [k for k, r in self.seen.items() if r() is None]:
                     del self.seen[dead]
                 self.prune_at = 2 * len(self.seen) + 1024
 
     def _form(self, t: Tensor, recipe: str | None) -> Any:
-        """`t`, an activation output (or with `recipe`, the node it is a recipe of), in the smallest verified
-        form: a recipe, else compacted where mostly zeros; None: saved as it is. Counted."""
-        fn, packed, missed = t.grad_fn, None, False
+        """`t`, an activation output (or with `recipe`, the node it is a recipe of), in the smallest
+        form: a recipe, else compacted where mostly zeros; None: saved as it is. Counted, or, where
+        its check has not come back, held as `t` until it has (see resolve)."""
+        fn, packed, check, missed = t.grad_fn, None, None, False
         zeros = _mostly_zeros(fn)
         with torch.no_grad():
             if recipe == _CAT:
-                packed = _concatenation(t, _cat_dim(t), self.chains)
+                packed, check = _concatenation(t, _cat_dim(t), self.chains)
             elif recipe is not None:
-                packed = _pooled(t, self.unpack)
+                packed, check = _pooled(t, self.unpack)
             elif self.recompute and _after_batchnorm(fn):
-                packed, missed = _replayed(t, self.unpack)
+                packed, check, missed = _replayed(t, self.unpack)
             if packed is None and zeros:
-                packed = _compacted(t, self.min_saving)
+                packed, check = _compacted(t, self.min_saving)
         if self.recompute and packed is not None:
             _note_kept(t, packed)
         self.stats.replay_misses += missed
-        if isinstance(packed, Concatenated) and len(packed.pieces) == 1:
-            self.stats.keep("not_activation", t)  # (the first of a chain: as it is)
+        if check is not None:
+            self._hold(packed, t, check)
+        elif isinstance(packed, Concatenated) and len(packed.pieces) == 1:
+            self.stats.keep("not_activation", t.nbytes)  # (the first of a chain: as it is)
         elif packed is not None:
             self.stats.add(packed.kind, t.nbytes, packed.nbytes)
         else:
-            self.stats.keep("not_activation" if recipe else "too_few_zeros" if zeros else "not_replayed", t)
+            self.stats.keep("not_activation" if recipe else "too_few_zeros" if zeros else "not_replayed", t.nbytes)
         return packed
 
+    def _hold(self, packed: _Shared, t: Tensor, check: Deferred) -> None:
+        """Let `packed` stand for `t` as `t` itself until `check` comes back; past the budget of bytes
+        held so, wait for the oldest such check (not for the device's whole queue)."""
+        packed.hold(t)
+        self.waiting.append(_Check(packed, check, t.nbytes))
+        self.waiting_bytes += t.nbytes
+        self.poll()
+        while self.waiting_bytes > self.budget:
+            self.resolve()
+
+    def poll(self) -> None:
+        """Resolve the checks that have come back, oldest first, without waiting: the first one that
+        has not stops the rest (a device's queue runs in order)."""
+        while self.waiting and self.waiting[0].check.done():
+            self.resolve()
+        self._narrow(wait=False)
+
+    def resolve(self) -> None:
+        """Resolve the oldest check held, waiting for it: drop the tensor its form held where the form is
+        exact, else keep the tensor; count it either way. A form made in steps goes to the back with
+        its next step's check."""
+        held = self.waiting.popleft()
+        outcome = held.form.checked(held.check)
+        if isinstance(outcome, Deferred):
+            held.check = outcome
+            self.waiting.append(held)
+            return
+        self.waiting_bytes -= held.nbytes
+        held.form.resolved(outcome is True)
+        if outcome is True:
+            self.stats.add(held.form.kind, held.nbytes, held.form.nbytes)
+        else:
+            self.stats.replay_misses += held.form.kind == "replayed"
+            self.stats.keep(outcome, held.nbytes)
+
+    def settle(self) -> None:
+        """Wait for every check held, and for the narrowed tensors' ranges (before counts are read)."""
+        while self.waiting:
+            self.resolve()
+        self._narrow(wait=True)
+
     def exit(self) -> None:
-        """When the context exits: narrow the integer tensors only the graph holds now, forget the chains."""
+        """When the context exits: resolve what has come back; count what is held outside the graph; start
+        narrowing the integer tensors only the graph holds now (their ranges read later, see _narrow);
+        forget the chains."""
+        self.poll()
+        for ref, nbytes in self.unmade:
+            if ref() is not None:  # (the graph holds a detached copy's object, not this one)
+                self.stats.held_outside(nbytes)
+        self.unmade.clear()
         with torch.no_grad():
             for packed in self.ints.values():
+                packed.measure()
+        self.narrowing.extend(self.ints.values())
+        self.ints.clear()
+        self.chains.clear()
+        self._narrow(wait=False)
+
+    def _narrow(self, wait: bool) -> None:
+        """Narrow the integer tensors whose range has come back (with `wait`, all of them)."""
+        with torch.no_grad():
+            while self.narrowing and (wait or self.narrowing[0].measured()):
+                packed = self.narrowing.popleft()
                 if packed.settle():
                     full = packed.narrow.numel() * packed.dtype.itemsize
                     self.stats.moved("not_activation", packed.kind, full, packed.nbytes)
-        self.ints.clear()
-        self.chains.clear()
+
+
+class _Check:
+    """A form's check on its way to the host (see _Shared.checked), with the bytes of the tensor the
+    form holds until then. The form is held here, not weakly: its counts need it, and its graph may
+    be gone first (a step that raised); it goes at the next resolution."""
+
+    __slots__ = ("form", "check", "nbytes")
+
+    def __init__(self, form: _Shared, check: Deferred, nbytes: int) -> None:
+        self.form, self.check, self.nbytes = form, check, nbytes
 
 
 def _why_kept(t: Tensor, recompute: bool) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .bits import _same_bits
+from .bits import _same_bits_later
 from .deferred import Deferred
 from .forms import Compacted, Concatenated, Pooled, Replayed, _Dense, _gathered, _Shared
 from .graph import (_activation_of, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _is_batchnorm, _kept,
@@ -18,15 +18,21 @@ from .graph import (_activation_of, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_tr
 _ops = torch.ops.relu_ext
 
 
-def _concatenation(t: Tensor, dim: int, chains: dict[tuple[Any, ...], Any]) -> Concatenated:
+def _concatenation(t: Tensor, dim: int, chains: dict[tuple[Any, ...], Any]) -> tuple[Concatenated, Deferred | None]:
     """`t` (a concatenation along `dim`) in pieces: the last concatenation kept of the same other sizes,
-    where `t` begins with it, and what `t` adds; else the first of a new chain."""
+    where `t` begins with it, and what `t` adds; else the first of a new chain. And the check that `t`
+    begins with it, where it has not come back yet (see _Shared.hold)."""
     key = (dim, t.dtype, t.device, t.shape[:dim] + t.shape[dim + 1:])
     ref = chains.get(key)
     prev = None if ref is None else ref()
-    packed = Concatenated(t, dim, prev if prev is not None and prev.extends(t, dim) else None)
+    same = None if prev is None else prev.extends(t, dim)
+    check = None if same is None else Deferred(same)
+    exact = None if check is None else check.now()
+    if exact is not None:
+        check = None
+    packed = Concatenated(t, dim, prev if same is not None and exact is not False else None)
     chains[key] = weakref.ref(packed)
-    return packed
+    return packed, check
 
 
 def _source(saved: _Saved, unpack: Any) -> Tensor | _Shared | None:
@@ -41,20 +47,25 @@ def _source(saved: _Saved, unpack: Any) -> Tensor | _Shared | None:
     return None
 
 
-def _pooled(t: Tensor, unpack: Any) -> Pooled | None:
-    """`t` (a max_pool2d output, N x C x h x w) as a verified recipe, or None."""
+def _pooled(t: Tensor, unpack: Any) -> tuple[Pooled | None, Deferred | None]:
+    """`t` (a max_pool2d output, N x C x h x w) as a recipe, or None; and its check, where it has not
+    come back yet (see _Shared.hold)."""
     if t.dim() != 4:
-        return None
+        return None, None
     x, indices = (_source(_raw_saved(t.grad_fn, name), unpack) for name in ("self", "result1"))
     if x is None or indices is None:
-        return None
+        return None, None
     at = indices.live() if isinstance(indices, _Shared) else indices
     if at.shape != t.shape or (isinstance(x, Tensor) and (x.dim() != 4 or x.dtype != t.dtype)):
-        return None
+        return None, None
     now = x.gathered(at, t.size(), t.stride()) if isinstance(x, _Shared) else _gathered(x, at, t.size(), t.stride())
-    if now.dtype != t.dtype or not _same_bits([(now, t)]):
-        return None
-    return Pooled(x, indices, t)
+    if now.dtype != t.dtype:
+        return None, None
+    check = Deferred(_same_bits_later([(now, t)]))
+    exact = check.now()
+    if exact is False:
+        return None, None
+    return Pooled(x, indices, t), check if exact is None else None
 
 
 def _peek(saved: _Saved, unpack: Any) -> Tensor | None:
@@ -128,9 +139,10 @@ def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, 
     return source, alpha, beta, now
 
 
-def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
+def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, Deferred | None, bool]:
     """`t` (an activation output after a BatchNorm, or after a residual add of one) as a
-    verified recipe, or None; and whether a recipe was tried and missed verification.
+    recipe, or None; its check, where it has not come back yet (see _Shared.hold); and whether
+    a recipe was tried and missed verification.
 
     A residual add ``out += identity`` (torchvision's BasicBlock and Bottleneck) replays
     where ``identity`` is a BatchNorm output too (the downsample's), or a tensor this
@@ -141,10 +153,10 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
     two recipes alternate with a compacted output."""
     act = _activation_of(t.grad_fn)
     if act is None or t.dim() < 2:
-        return None, False
+        return None, None, False
     inputs = _batchnorm_inputs(t.grad_fn)
     if inputs is None:
-        return None, False
+        return None, None, False
     bn, other = inputs  # other: a residual add's other input (node, output_nr)
     first = _bn_source(bn, t, unpack)
     second = None  # the add's other input: what the recipe reads, its terms, what verification reads
@@ -152,30 +164,29 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, bool]:
         b, b_nr = other
         second = _bn_source(b, t, unpack) if _is_batchnorm(b) else _kept_output(b, b_nr, t)
         if second is None:
-            return None, False
+            return None, None, False
     if first is None:
-        return None, False
-    check = () if second is None else (second[3], *second[1:3])
-    if not Deferred(_ops.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *check)).flag():
-        return None, True
-    return Replayed(*first[:3], act[0], act[1], None if second is None else second[:3]), False
+        return None, None, False
+    also = () if second is None else (second[3], *second[1:3])
+    check = Deferred(_ops.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *also))
+    exact = check.now()
+    if exact is False:
+        return None, None, True
+    return (Replayed(*first[:3], act[0], act[1], None if second is None else second[:3]),
+            check if exact is None else None, False)
 
 
-def _compacted(t: Tensor, min_saving: float) -> Compacted | None:
-    """`t` compacted, or None when that would save less than `min_saving` of its bytes."""
+def _compacted(t: Tensor, min_saving: float) -> tuple[Compacted | None, Deferred | None]:
+    """`t` compacted, or None when that would save less than `min_saving` of its bytes; or, where a step's
+    value has not come back yet, the form that holds `t` until it has, and that step's check."""
     y = t.detach()
-    values, shared = None, False
-    mask = _relu_ext_mask(t)  # relu_ext's own mask: no second bitmap
-    if mask is not None:
-        values, missed = _ops.compact(y, mask)
-        shared = not Deferred(missed).flag()  # else -0.0, or changed after the ReLU: not exact with this mask
-    if not shared:
-        mask = _ops.nonzero_mask(y)
-        values, _ = _ops.compact(y, mask)
-    cost = values.nbytes + (0 if shared else mask.nbytes)
-    if cost > (1 - min_saving) * y.nbytes:
-        return None
-    packed = Compacted(values, mask, y)
-    packed.nbytes = cost  # a shared mask is held by the ReLU's node anyway
-    return packed
-
+    packed = Compacted(y, _relu_ext_mask(t), (1 - min_saving) * y.nbytes)  # relu_ext's own mask: no second bitmap
+    packed.hold(y)
+    check = packed.counted()
+    while check.done():
+        outcome = packed.checked(check)
+        if not isinstance(outcome, Deferred):
+            packed.resolved(outcome is True)
+            return (packed if outcome is True else None), None
+        check = outcome
+    return packed, check

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from torch import Tensor
-
 # Why a tensor was saved as it is: save_compact.kept_by_reason's keys, and the words report() uses.
 _REASONS = {
     "not_activation": "not an activation output",
@@ -34,8 +32,9 @@ class _Stats:
 
     By kind (a key of ``_KINDS``, or ``"kept"``): ``count`` distinct tensors (those kept as they
     are: ``kept_by_reason``), ``nbytes`` their bytes, ``held`` the bytes their forms hold. Of those
-    kept as they are, ``leaves`` and ``leaf_bytes``: parameters, views of them and other leaves
-    that require grad, all counted as ``not_activation``; report() lists them apart."""
+    kept as they are, ``leaves`` and ``leaf_bytes``: what is held outside the graph anyway
+    (parameters, buffers, inputs and views of them), all counted as ``not_activation``; report()
+    lists them apart."""
 
     __slots__ = ("count", "nbytes", "held", "replay_misses", "kept_by_reason", "leaves", "leaf_bytes")
 
@@ -53,13 +52,18 @@ class _Stats:
         self.nbytes[kind] += nbytes
         self.held[kind] += held
 
-    def keep(self, reason: str, t: Tensor, leaf: bool = False) -> None:
-        """Count `t`, saved as it is for `reason`; `leaf`: no node made it or its base."""
+    def keep(self, reason: str, nbytes: int, leaf: bool = False) -> None:
+        """Count a tensor of `nbytes` bytes, saved as it is for `reason`; `leaf`: no node made it or its base."""
         self.kept_by_reason[reason] += 1
-        self.nbytes[_AS_IT_IS] += t.nbytes
-        self.held[_AS_IT_IS] += t.nbytes
+        self.nbytes[_AS_IT_IS] += nbytes
+        self.held[_AS_IT_IS] += nbytes
         self.leaves += leaf
-        self.leaf_bytes += t.nbytes if leaf else 0
+        self.leaf_bytes += nbytes if leaf else 0
+
+    def held_outside(self, nbytes: int) -> None:
+        """Count a tensor of `nbytes` bytes, counted as saved as it is (not an activation), as held outside the graph."""
+        self.leaves += 1
+        self.leaf_bytes += nbytes
 
     def moved(self, reason: str, kind: str, nbytes: int, held: int) -> None:
         """Move a tensor of `nbytes` bytes, counted as saved as it is for `reason`, to `kind`, held in `held` bytes."""
@@ -79,7 +83,7 @@ class _Stats:
 
     def report(self) -> str:
         """What the hooks did, in words (see save_compact's documentation): the headline and the lines
-        count what the graph holds for the step (activation memory); parameters come apart."""
+        count what the graph holds for the step (activation memory); what is held outside it comes apart."""
         total, held = sum(self.nbytes.values()) - self.leaf_bytes, sum(self.held.values()) - self.leaf_bytes
         n = sum(self.counts().values()) - self.leaves
         share = f" ({100 * held / total:.1f}%)" if total else ""
@@ -98,8 +102,8 @@ class _Stats:
         lines.append(f"  kept as they are: {_tensors(self.kept - self.leaves, 'tensor')}, "
                      f"{_size(self.nbytes[_AS_IT_IS] - self.leaf_bytes)}" + (f": {why}" if why else ""))
         if self.leaves:
-            lines.append(f"  parameters: {_tensors(self.leaves, 'tensor')}, {_size(self.leaf_bytes)} (and views of them, "
-                         "and other leaves that require grad: held outside the graph anyway)")
+            lines.append(f"  held outside the graph: {_tensors(self.leaves, 'tensor')}, {_size(self.leaf_bytes)} "
+                         "(parameters, buffers, inputs and views of them)")
         return "\n".join(lines)
 
 

@@ -1,0 +1,386 @@
+"""Checks that have not come back: save_compact() holds a tensor as it is while its form's check runs
+on the device, and resolves it later (relu_ext.compact.hooks._Packer). On the CPU a check is back at
+once; here every Deferred waits on a stand-in event that the test completes when it chooses, so the
+CPU runs what the GPU runs when the device is behind the host."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from typing import Iterator
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+from torch import nn
+
+import relu_ext
+from conftest import assert_same_step, train_step
+from relu_ext.compact import recipes
+from relu_ext.compact.deferred import Deferred
+from test_deferred import _Net
+
+
+class _Event:
+    """A stand-in for a CUDA event: complete once the test says so (``complete``) or once waited on."""
+
+    def __init__(self, log: list[_Event]) -> None:
+        self.complete = self.waited = False
+        log.append(self)
+
+    def query(self) -> bool:
+        return self.complete
+
+    def synchronize(self) -> None:
+        self.waited = self.complete = True
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[_Event]]:
+    """Every Deferred made meanwhile waits on a stand-in event, listed here in the order made."""
+    log: list[_Event] = []
+    monkeypatch.setattr(Deferred, "stand_in", lambda: _Event(log))
+    yield log
+
+
+def _come_back(events: list[_Event], packer) -> None:
+    """Complete every check, and those made when one resolves (a compaction's next step), resolving
+    them without waiting."""
+    while packer.waiting:
+        for e in events:
+            e.complete = True
+        packer.poll()
+    assert not any(e.waited for e in events)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return _Net()
+
+
+X = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+
+
+def _reference(model: nn.Module | None = None) -> tuple:
+    """The step without hooks."""
+    with relu_ext.install():
+        return train_step(model or _model(), X, contextlib.nullcontext())
+
+
+def _step(sc: relu_ext.save_compact) -> tuple:
+    return _step_of(_model(), sc)
+
+
+def _step_of(model: nn.Module, sc: relu_ext.save_compact) -> tuple:
+    with relu_ext.install():
+        return train_step(model, X, sc)
+
+
+def test_backward_before_any_check_is_back_is_exact(events):
+    """No check comes back during the step: every form stands for its tensor as the tensor itself, and
+    backward reads those, bit for bit, without waiting; the counts, read after, wait for the checks
+    and equal those of a step whose checks were back at once."""
+    sc = relu_ext.save_compact()
+    assert_same_step(_step(sc), _reference())
+    assert events and not any(e.waited for e in events)
+    got = repr(sc)  # (waits for the checks)
+    assert all(e.waited or e.complete for e in events)
+    Deferred.stand_in = None
+    at_once = relu_ext.save_compact()
+    _step(at_once)
+    assert got == repr(at_once)
+    assert sc.replayed and sc.pooled and sc.concatenated and sc.two_valued
+
+
+def test_checks_resolve_oldest_first_without_waiting(events):
+    """poll() resolves the checks that are back in the order they were made: one back before an older
+    one waits for it. Nothing is waited for."""
+    sc = relu_ext.save_compact()
+    with relu_ext.install(), sc:
+        loss = _model()(X).square().mean()
+    packer = sc._packer
+    held = len(packer.waiting)
+    assert held >= 3 and held == sum(1 for _ in packer.waiting)
+    checks = [e for e in events if not e.complete]
+    checks[1].complete = True
+    packer.poll()
+    assert len(packer.waiting) == held
+    checks[0].complete = True
+    packer.poll()
+    assert len(packer.waiting) == held - 2
+    loss.backward()
+    assert not any(e.waited for e in events)
+
+
+@pytest.mark.parametrize("budget", [0, 300_000, 2_000_000])
+def test_held_bytes_stay_within_the_budget(events, budget):
+    """Past the budget the pack hook waits for the oldest check only: the bytes held as they are never
+    exceed the budget after a pack (one tensor over it is waited for at once), and waits go oldest first."""
+    sc = relu_ext.save_compact()
+    packer = sc._packer
+    packer.budget = budget
+    most, made = [], []  # after each pack: bytes held as they are, events made (checks; not the exit's ranges)
+    real = packer.pack
+
+    def pack(t):
+        packed = real(t)
+        most.append(packer.waiting_bytes)
+        made.append(len(events))
+        return packed
+
+    torch.autograd.graph.saved_tensors_hooks.__init__(sc, pack, packer.unpack)  # (hooks bound at construction)
+    assert_same_step(_step(sc), _reference())
+    assert most and max(most) <= budget
+    waited = [e.waited for e in events[: made[-1]]]
+    assert waited == sorted(waited, reverse=True)  # (a prefix: the oldest)
+    assert any(waited) == (budget < 2_000_000) and all(waited) == (budget == 0)
+
+
+def test_late_misses_keep_the_tensor(events, monkeypatch):
+    """A check that comes back False after the pack hook returned: the form keeps the tensor as it is,
+    counted as kept (a replay: a verification miss), and backward is exact before and after."""
+
+    class _Ops:
+        def __getattr__(self, name):
+            return getattr(torch.ops.relu_ext, name)
+
+        @staticmethod
+        def bn_act_verify(*args):
+            return torch.tensor(False)
+
+    monkeypatch.setattr(recipes, "_ops", _Ops())
+    sc = relu_ext.save_compact()
+    with relu_ext.install(), sc:
+        loss = _model()(X).float().square().mean()
+    _come_back(events, sc._packer)
+    loss.backward()
+    assert sc.replayed == 0 and sc.replay_misses == 1 and sc.kept_by_reason["not_replayed"] == 1
+    assert sc.pooled == 1  # (a recipe reading the missed one's tensor)
+
+
+def test_an_exception_in_forward_frees_what_was_held(events):
+    """The forward raises after some packs: the packer holds the forms it waits for (and their
+    tensors) until their checks are resolved, then lets them go with their graph."""
+    sc = relu_ext.save_compact()
+    model = _model()
+    with pytest.raises(RuntimeError, match="stop"), relu_ext.install(), sc:
+        y = model.bn1(model.conv1(X)).relu()
+        model.pool(y).square()
+        raise RuntimeError("stop")
+    del y
+    forms = {c.form.kind: weakref.ref(c.form) for c in sc._packer.waiting}
+    assert set(forms) == {"replayed", "pooled", "two_valued"}  # (the input X, alive, checked as two-valued)
+    assert sc.replayed == 1 and sc.pooled == 1  # (waits for the checks)
+    gc.collect()
+    assert forms["replayed"]() is None and forms["pooled"]() is None
+    assert not sc._packer.waiting and sc._packer.waiting_bytes == 0
+
+
+def test_nested_blocks_hold_their_own(events):
+    """An inner block's forms are its own packer's; both resolve, and backward is exact."""
+
+    def run(model: nn.Module, outer, inner) -> list[torch.Tensor]:
+        with relu_ext.install(), outer:
+            h = model.pool(torch.relu(model.bn1(model.conv1(X))))
+            with inner:
+                r = torch.relu(model.bn2(model.conv2(h)) + h).square()
+            loss = r.mean()
+        held = [sc._packer.waiting and True for sc in (outer, inner) if isinstance(sc, relu_ext.save_compact)]
+        loss.backward()
+        return held, [p.grad for p in model.parameters() if p.grad is not None]
+
+    outer, inner = relu_ext.save_compact(), relu_ext.save_compact()
+    held, got = run(_model(), outer, inner)
+    _, want = run(_model(), contextlib.nullcontext(), contextlib.nullcontext())
+    assert held == [True, True]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert outer.replayed >= 1 and inner.replayed >= 1
+
+
+class _Checkpointed(nn.Module):
+    """_Net with its first convolution and BatchNorm under non-reentrant checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.net
+        first = cp.checkpoint(lambda t: m.bn1(m.conv1(t)), x, use_reentrant=False)
+        p = m.pool(torch.relu(first))
+        r = torch.relu(m.bn2(m.conv2(p)) + p)
+        c = nn.functional.relu6(m.bn3(m.conv3(torch.cat([p, r], 1))))
+        d = m.conv4(torch.cat([p, r, c], 1))
+        return m.fc2(torch.relu(m.fc1(m.drop(d.flatten(1)))))
+
+
+def test_checkpointing_inside_a_block(events):
+    """Non-reentrant checkpointing inside the block, with its checks not back: exact."""
+    sc = relu_ext.save_compact()
+    assert_same_step(_step_of(_Checkpointed(), sc), _reference(_Checkpointed()))
+    assert events and sc.pooled
+
+
+def test_retain_graph_and_a_second_backward(events):
+    """Backward twice over one graph: before any check is back, and after all are (forms then rebuilt)."""
+    model = _model()
+    sc = relu_ext.save_compact()
+    with relu_ext.install(), sc:
+        loss = model(X).square().mean()
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    sc._packer.settle()
+    assert not sc._packer.waiting
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    ref_model = _model()
+    with relu_ext.install():
+        ref = torch.autograd.grad(ref_model(X).square().mean(), list(ref_model.parameters()))
+    for a, b, c in zip(first, second, ref):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+# --- On a GPU: the real events ---------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+
+
+def _cuda_step(model: nn.Module, x: torch.Tensor, sc) -> list[torch.Tensor]:
+    """A training step's forward under install() and `sc`, and its backward, in sync debug mode "error":
+    any host sync in either raises. Gradients, as they come."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with relu_ext.install(), sc:
+            loss = model(x).float().square().mean()
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+@needs_gpu
+@pytest.mark.parametrize("arch", ["resnet50", "mobilenet_v2", "densenet121"])
+def test_a_cuda_training_step_has_no_host_sync(arch):
+    """Forward and backward of a real model under install() + save_compact(), float32 and bfloat16
+    autocast in channels_last, wait for the device nowhere; the gradients are PyTorch's."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, arch)(num_classes=10).cuda()
+    x = torch.randn(4, 3, 96, 96, device="cuda")
+    got = _cuda_step(model, x, relu_ext.save_compact())
+    with relu_ext.install():
+        want = train_step(model, x, contextlib.nullcontext())[1]
+    assert all(torch.equal(a, b) for a, b in zip(got, [g for g in want if g is not None]))
+    model = model.to(memory_format=torch.channels_last)
+    x = x.contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        sc = relu_ext.save_compact()
+        _cuda_step(model, x, sc)
+    assert sc.compacted + sc.replayed > 0, sc.report()
+
+
+@needs_gpu
+def test_a_forward_returns_while_the_device_is_busy():
+    """With a long kernel queued first, a whole forward under save_compact() returns before it ends:
+    no check is waited for; backward, before any is back, is exact."""
+    model = _model().cuda()
+    x = X.cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e9))  # a few seconds of GPU time
+    busy = torch.cuda.Event()
+    busy.record()
+    sc = relu_ext.save_compact()
+    with relu_ext.install(), sc:
+        torch.manual_seed(1)
+        loss = model(x).square().mean()
+    assert not busy.query() and sc._packer.waiting
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    ref = _model().cuda()
+    with relu_ext.install():
+        want = train_step(ref, x, contextlib.nullcontext())[1]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sc.replayed + sc.replay_misses > 0 and sc.compacted > 0
+
+
+@needs_gpu
+def test_capture_in_a_cuda_graph_keeps_tensors_as_they_are():
+    """Under CUDA-graph capture the hooks keep what is saved as it is: nothing to wait for in a replay."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        model(x).sum().backward()  # (warm-up, as capture asks)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    sc = relu_ext.save_compact()
+    with torch.cuda.graph(graph), sc:
+        out = model(x)
+    assert sc.compacted == 0 and sc.kept == 0 and not sc._packer.waiting
+    graph.replay()
+    assert torch.equal(out, model(x))
+
+
+def test_changed_in_place_before_its_check_is_back(events):
+    """A compacted tensor changed in place before its count came back is not compacted from the new
+    data: kept as it is, backward raises PyTorch's in-place error, as it does without hooks."""
+    lin = nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    sc = relu_ext.save_compact()
+    with relu_ext.install(), sc:
+        h = torch.relu(x * 1)
+        loss = lin(h).sum()
+    with torch.no_grad():
+        h.add_(1)
+    _come_back(events, sc._packer)
+    assert sc.compacted == 0 and sc.kept_by_reason["unsupported"] == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_late_miss_of_the_nodes_mask_compacts_with_a_bitmap(events):
+    """relu_ext's mask does not restore relu(-0.0) = -0.0; found after the pack hook returned, the
+    tensor gets its own bitmap, counted again, and backward is exact."""
+    lin = nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    x[::2] = -0.0  # (its mask bit is 0, its value not +0)
+    x.requires_grad_()
+    sc = relu_ext.save_compact()
+    with relu_ext.install(), sc:
+        loss = lin(torch.relu(x * 1)).square().sum()
+    made = len(events)
+    _come_back(events, sc._packer)
+    assert len(events) == made + 2  # (after the count: the mask's check, then the bitmap's count)
+    loss.backward()
+    got = x.grad, lin.weight.grad
+    x.grad = lin.weight.grad = None
+    lin(torch.relu(x * 1)).square().sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], lin.weight.grad)
+    assert sc.compacted == 1
+
+
+def test_double_backward_before_any_check_is_back(events):
+    """Gradients of gradients (create_graph=True), the checks not back: PyTorch's, bit for bit."""
+
+    def run(sc) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.Softplus(),
+                            nn.Linear(256, 1))
+        x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+        with sc:
+            loss = net(x).square().mean()
+        grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
+        sum(g.square().sum() for g in grads).backward()
+        return [p.grad for p in net.parameters()]
+
+    sc = relu_ext.save_compact()
+    got = run(sc)
+    assert events and not any(e.waited for e in events)
+    want = run(contextlib.nullcontext())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sc.replayed == 1
