@@ -59,6 +59,6 @@ counts and ``report()``), ``bits`` (comparing tensors bit for bit, bool bitmaps)
 """
 
 # The forms and the bit comparisons too, as ``relu_ext.compact.<name>``, which tests read.
-from .bits import _same_bits, _same_bits_on_device  # noqa: F401
+from .bits import _same_bits_on_device  # noqa: F401
 from .forms import Compacted, Concatenated, Narrowed, Pooled, Replayed, TwoValued  # noqa: F401
 from .hooks import save_compact  # noqa: F401

@@ -11,27 +11,22 @@ from .deferred import Deferred
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _same_bits(pairs: list[tuple[Tensor, Tensor]]) -> bool:
-    """Whether the two tensors of each pair (same sizes and dtype, any strides) hold the same bits:
-    NaN payloads and the sign of zero count (see _same_bits_later), read at once."""
-    return Deferred(_same_bits_later(pairs)).flag()
-
-
 def _same_bits_later(pairs: list[tuple[Tensor, Tensor]]) -> Tensor:
-    """_same_bits as a bool tensor on the pairs' device, not read: a memcmp on the CPU, elsewhere
-    _same_bits_on_device."""
+    """Whether the two tensors of each pair (same sizes and dtype, any strides) hold the same bits, NaN
+    payloads and the sign of zero counting: a bool tensor on the pairs' device, not read (the pack hook
+    reads it through a Deferred). A memcmp on the CPU, elsewhere _same_bits_on_device."""
     if all(a.device.type == "cpu" for a, _ in pairs):
         return torch.tensor(all(_C.same_bits(a, b) for a, b in pairs))
     return _same_bits_on_device(pairs)
 
 
 def _same_bits_on_device(pairs: list[tuple[Tensor, Tensor]]) -> Tensor:
-    """_same_bits with tensor ops: the pairs compared as integers of their width (bits, not values),
+    """_same_bits_later with tensor ops: the pairs compared as integers of their width (bits, not values),
     on their device, into one bool tensor there."""
     if not pairs:
         return torch.tensor(True)
     if any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in pairs):
-        raise ValueError("relu_ext: _same_bits compares tensors of the same shape, dtype and device")
+        raise ValueError("relu_ext: _same_bits_later compares tensors of the same shape, dtype and device")
     differ = [a.view(_INTS[a.element_size()]).ne(b.view(_INTS[b.element_size()])).any() for a, b in pairs]
     return ~torch.stack(differ).any()
 

@@ -32,11 +32,11 @@ class _Stats:
 
     By kind (a key of ``_KINDS``, or ``"kept"``): ``count`` distinct tensors (those kept as they
     are: ``kept_by_reason``), ``nbytes`` their bytes, ``held`` the bytes their forms hold. Of those
-    kept as they are, ``leaves`` and ``leaf_bytes``: what is held outside the graph anyway
+    kept as they are, ``outside`` and ``outside_bytes``: what is held outside the graph anyway
     (parameters, buffers, inputs and views of them), all counted as ``not_activation``; report()
     lists them apart."""
 
-    __slots__ = ("count", "nbytes", "held", "replay_misses", "kept_by_reason", "leaves", "leaf_bytes")
+    __slots__ = ("count", "nbytes", "held", "replay_misses", "kept_by_reason", "outside", "outside_bytes")
 
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()
@@ -44,7 +44,7 @@ class _Stats:
         self.held: Counter[str] = Counter()
         self.replay_misses = 0
         self.kept_by_reason = dict.fromkeys(_REASONS, 0)
-        self.leaves = self.leaf_bytes = 0
+        self.outside = self.outside_bytes = 0
 
     def add(self, kind: str, nbytes: int, held: int) -> None:
         """Count a tensor of `nbytes` bytes, kept as `kind` in `held` bytes."""
@@ -52,18 +52,19 @@ class _Stats:
         self.nbytes[kind] += nbytes
         self.held[kind] += held
 
-    def keep(self, reason: str, nbytes: int, leaf: bool = False) -> None:
-        """Count a tensor of `nbytes` bytes, saved as it is for `reason`; `leaf`: no node made it or its base."""
+    def keep(self, reason: str, nbytes: int, outside: bool = False) -> None:
+        """Count a tensor of `nbytes` bytes, saved as it is for `reason`; `outside`: held outside the graph
+        (a parameter, a view of one, another leaf that requires grad)."""
         self.kept_by_reason[reason] += 1
         self.nbytes[_AS_IT_IS] += nbytes
         self.held[_AS_IT_IS] += nbytes
-        self.leaves += leaf
-        self.leaf_bytes += nbytes if leaf else 0
+        self.outside += outside
+        self.outside_bytes += nbytes if outside else 0
 
     def held_outside(self, nbytes: int) -> None:
         """Count a tensor of `nbytes` bytes, counted as saved as it is (not an activation), as held outside the graph."""
-        self.leaves += 1
-        self.leaf_bytes += nbytes
+        self.outside += 1
+        self.outside_bytes += nbytes
 
     def moved(self, reason: str, kind: str, nbytes: int, held: int) -> None:
         """Move a tensor of `nbytes` bytes, counted as saved as it is for `reason`, to `kind`, held in `held` bytes."""
@@ -84,8 +85,8 @@ class _Stats:
     def report(self) -> str:
         """What the hooks did, in words (see save_compact's documentation): the headline and the lines
         count what the graph holds for the step (activation memory); what is held outside it comes apart."""
-        total, held = sum(self.nbytes.values()) - self.leaf_bytes, sum(self.held.values()) - self.leaf_bytes
-        n = sum(self.counts().values()) - self.leaves
+        total, held = sum(self.nbytes.values()) - self.outside_bytes, sum(self.held.values()) - self.outside_bytes
+        n = sum(self.counts().values()) - self.outside
         share = f" ({100 * held / total:.1f}%)" if total else ""
         lines = [f"relu_ext.save_compact: {_tensors(n, 'tensor')} saved for backward, {_size(total)}, "
                  f"held in {_size(held)}{share}"]
@@ -97,12 +98,12 @@ class _Stats:
                 if kind == "replayed":
                     line += f"; {misses} verification miss{'es' * (misses != 1)}"
                 lines.append(line)
-        reasons = dict(self.kept_by_reason, not_activation=self.kept_by_reason["not_activation"] - self.leaves)
+        reasons = dict(self.kept_by_reason, not_activation=self.kept_by_reason["not_activation"] - self.outside)
         why = ", ".join(f"{k} {_REASONS[r]}" for r, k in reasons.items() if k)
-        lines.append(f"  kept as they are: {_tensors(self.kept - self.leaves, 'tensor')}, "
-                     f"{_size(self.nbytes[_AS_IT_IS] - self.leaf_bytes)}" + (f": {why}" if why else ""))
-        if self.leaves:
-            lines.append(f"  held outside the graph: {_tensors(self.leaves, 'tensor')}, {_size(self.leaf_bytes)} "
+        lines.append(f"  kept as they are: {_tensors(self.kept - self.outside, 'tensor')}, "
+                     f"{_size(self.nbytes[_AS_IT_IS] - self.outside_bytes)}" + (f": {why}" if why else ""))
+        if self.outside:
+            lines.append(f"  held outside the graph: {_tensors(self.outside, 'tensor')}, {_size(self.outside_bytes)} "
                          "(parameters, buffers, inputs and views of them)")
         return "\n".join(lines)
 
