@@ -1,8 +1,11 @@
 # Two commands do all set-up on a fresh machine:
-#   make test    venv + torch + build (CUDA kernels compiled when nvcc is found) + test suite
+#   make test    venv + torch + build (CUDA kernels compiled when nvcc is found) + the quick tier
 #   make bench   venv + torch + build + kernel benchmark
+# make test-full runs the full tier (every parameter combination; tests/tiers.py).
 # Inside an existing environment (e.g. a GPU machine with torch, no network):
-#   pip install --no-build-isolation -e . && pytest
+#   pip install --no-build-isolation -e . && pytest          (pytest --full: the full tier)
+# CI's legs (.ci/run): test, test-main, test-sanitize, test-torch-old, test-package;
+# docs/testing.md says which risk each one tests.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,17 +18,28 @@ TIMM_VERSION ?= 1.0.31
 PY := $(VENV)/bin/python
 # A non-wrapper nvcc for torch's build (setup.py also defaults this).
 export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
+# The versions above are exact pins: a machine-wide pip constraint file that caps torch below
+# them would make the install impossible (and one that agrees changes nothing), so pip reads none.
+export PIP_CONSTRAINT := /dev/null
+# pytest-xdist workers: the suite is mostly single-threaded Python, and these machines have 2 cores.
+WORKERS ?= 2
+PYTEST_ARGS ?= -n $(WORKERS) --dist loadgroup --durations=15
 
 DEPS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) transformers==$(TRANSFORMERS_VERSION) timm==$(TIMM_VERSION) \
-	ninja numpy pytest hypothesis expecttest matplotlib onnx onnxruntime onnxscript
+	ninja numpy pytest pytest-xdist build hypothesis expecttest matplotlib onnx onnxruntime onnxscript
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*/*) $(wildcard src/relu_ext/*.py src/relu_ext/compact/*.py src/relu_ext/bench/*.py)
 
-.PHONY: test test-cpu-only test-sanitize test-torch-old test-package bench bench-results build deps clean distclean uninstall
+.PHONY: test test-full test-main test-sanitize test-torch-old test-package wheel bench bench-results build deps clean \
+	distclean uninstall
 
+# The README's test command: the quick tier.
 test: $(BUILD_STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+test-full: $(BUILD_STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) --full tests
 
 # Builds the tracked sources in a scratch copy, so the main build stays.
 # $(1): folder under build/, $(2): environment for the build, $(3): python (default: the venv's).
@@ -34,18 +48,13 @@ define scratch_build
 	git ls-files -z | xargs -0 cp --parents -t build/$(1)
 	cd build/$(1) && $(2) $(abspath $(or $(3),$(PY))) setup.py -q build_ext --inplace
 endef
-SCRATCH_PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider
-
-# A RELU_EXT_FORCE_CPU=1 build must import and pass the CPU tests
-# (its own test asserts it has no CUDA kernels).
-test-cpu-only: $(DEPS_STAMP)
-	$(call scratch_build,cpu-only,RELU_EXT_FORCE_CPU=1)
-	cd build/cpu-only && RELU_EXT_FORCE_CPU=1 PYTHONPATH=$(abspath build/cpu-only/src) $(SCRATCH_PYTEST) \
-		tests/activations/test_exact.py tests/activations/test_examples_and_errors.py
+SCRATCH_PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The CPU kernels and bindings built with AddressSanitizer and
-# UndefinedBehaviorSanitizer (aborting on the first report), under the whole
-# CPU test suite. python and torch are not instrumented, so the ASan runtime is
+# UndefinedBehaviorSanitizer (aborting on the first report), under the full
+# matrices of the tests that reach native code (-m native). The build is
+# CPU-only, so it is also the build without CUDA kernels that must import and
+# pass (its tests assert it has none). python and torch are not instrumented, so the ASan runtime is
 # preloaded, with libstdc++ beside it (else ASan's __cxa_throw interceptor
 # finds no real __cxa_throw and aborts at the first C++ exception). Leak
 # checking is off: CPython frees little at exit by design.
@@ -55,10 +64,11 @@ test-sanitize: $(DEPS_STAMP)
 	$(call scratch_build,sanitize,RELU_EXT_SANITIZE=1)
 	cd build/sanitize && RELU_EXT_SANITIZE=1 PYTHONPATH=$(abspath build/sanitize/src) \
 		LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
-		$(SCRATCH_PYTEST) tests
+		$(SCRATCH_PYTEST) --full -m native tests
 
-# The GPU machines run torch 2.11: build against it too (with the CUDA kernels
-# where nvcc exists, as in the main build) and run the whole CPU suite there.
+# The GPU machines run torch 2.11: build against it too (a development build:
+# the CUDA kernels for one architecture where nvcc exists), then the quick tier,
+# and the full matrices of what depends on torch's version (-m torch_version).
 OLD_TORCH ?= 2.11.0
 OLD_TORCHVISION ?= 0.26.0
 OLD_VENV ?= .venv-torch$(OLD_TORCH)
@@ -72,7 +82,8 @@ $(OLD_STAMP):
 test-torch-old: $(OLD_STAMP)
 	$(OLD_PY) -c "import torch; assert torch.__version__.startswith('$(OLD_TORCH)'), torch.__version__"
 	$(call scratch_build,torch-old,,$(OLD_PY))
-	cd build/torch-old && PYTHONPATH=$(abspath build/torch-old/src) $(abspath $(OLD_PY)) -m pytest -q -p no:cacheprovider tests
+	cd build/torch-old && PYTHONPATH=$(abspath build/torch-old/src) $(abspath $(OLD_PY)) -m pytest -q -p no:cacheprovider \
+		$(PYTEST_ARGS) --full-marked torch_version tests
 
 # make bench writes to bench/out (git ignores it, each run its own name);
 # make bench-results into the committed bench/results, on purpose.
@@ -98,28 +109,48 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	$(PY) -c "import relu_ext; print('relu_ext build:', relu_ext.build_info())"
 	touch $@
 
-# The sdist holds everything a build needs: make it (isolated, as a user's
-# `python -m build --sdist` does), build a wheel from it in this venv (no
-# isolation: the wheel must be compiled against the installed torch), install
-# the wheel with plain pip into a fresh venv, and run the tests from the
-# unpacked sdist's root there. Also: the wheel pins torch's major.minor, and
-# an isolated wheel build stops with the explanation instead of compiling.
-PKG := build/package
-PKG_PY := $(PKG)/venv/bin/python
-test-package: $(DEPS_STAMP)
-	rm -rf $(PKG) && mkdir -p $(PKG)
-	$(PY) -m pip install -q build
-	$(PY) -m build --sdist --outdir $(PKG) .
-	tar -xzf $(PKG)/relu_ext-*.tar.gz -C $(PKG)
-	$(PY) -m build --wheel --no-isolation --outdir $(PKG) $(PKG)/relu_ext-*/
-	unzip -p $(PKG)/relu_ext-*.whl '*/METADATA' | tee $(PKG)/METADATA | grep -x 'Requires-Dist: torch==$(basename $(TORCH_VERSION)).\*'
-	grep -x 'License-Expression: BSD-3-Clause' $(PKG)/METADATA
-	! $(PY) -m build --wheel --outdir $(PKG)/isolated $(PKG)/relu_ext-*/ > $(PKG)/isolated.log 2>&1
-	grep -q 'no-build-isolation' $(PKG)/isolated.log
-	$(PYTHON) -m venv $(PKG)/venv
-	$(PKG_PY) -m pip install -q $(PKG)/relu_ext-*.whl torch==$(TORCH_VERSION) pytest numpy hypothesis
-	cd $(PKG)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider tests/activations/test_exact.py tests/tooling/test_packaging.py
-	rm -rf $(PKG)/venv
+# The release build, once: the sdist (isolated, as a user's `python -m build --sdist` makes it),
+# and a wheel built from the unpacked sdist in this venv (no isolation: it must be compiled
+# against the installed torch; setup.py's full architecture list). The wheel pins torch's
+# major.minor.
+WHL := build/wheel
+WHEEL_STAMP := $(WHL)/.built
+$(WHEEL_STAMP): $(DEPS_STAMP) $(SOURCES)
+	rm -rf $(WHL) && mkdir -p $(WHL)
+	$(PY) -m build --sdist --outdir $(WHL) .
+	tar -xzf $(WHL)/relu_ext-*.tar.gz -C $(WHL)
+	$(PY) -m build --wheel --no-isolation --outdir $(WHL) $(WHL)/relu_ext-*/
+	unzip -p $(WHL)/relu_ext-*.whl '*/METADATA' | tee $(WHL)/METADATA | grep -x 'Requires-Dist: torch==$(basename $(TORCH_VERSION)).\*'
+	grep -x 'License-Expression: BSD-3-Clause' $(WHL)/METADATA
+	touch $@
+wheel: $(WHEEL_STAMP)
+
+# CI's main leg: that wheel, installed beside the venv's packages (so it, not the development
+# build, is what `import relu_ext` finds), under the full tier.
+WHL_SITE := $(abspath $(WHL)/site)
+test-main: $(WHEEL_STAMP)
+	rm -rf $(WHL_SITE)
+	$(PY) -m pip install -q --no-deps --target $(WHL_SITE) $(WHL)/relu_ext-*.whl
+	PYTHONPATH=$(WHL_SITE) $(PY) -c "import relu_ext; assert relu_ext.__file__.startswith('$(WHL_SITE)/'), \
+		relu_ext.__file__; print('relu_ext from the wheel:', relu_ext.build_info())"
+	PYTHONPATH=$(WHL_SITE) $(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) --full tests
+
+# The package smoke test: a wheel build in pip's default isolated environment stops with the
+# explanation instead of compiling; the wheel installs with plain pip into a fresh venv (torch
+# from its requirement), imports every subpackage, and passes the quick tier of two files from
+# the unpacked sdist's root.
+PKG_PY := $(WHL)/venv/bin/python
+test-package: $(WHEEL_STAMP)
+	! $(PY) -m build --wheel --outdir $(WHL)/isolated $(WHL)/relu_ext-*/ > $(WHL)/isolated.log 2>&1
+	grep -q 'no-build-isolation' $(WHL)/isolated.log
+	rm -rf $(WHL)/venv && $(PYTHON) -m venv $(WHL)/venv
+	$(PKG_PY) -m pip install -q $(WHL)/relu_ext-*.whl pytest
+	$(PKG_PY) -c "import pkgutil, importlib, relu_ext; \
+		names = [m.name for m in pkgutil.walk_packages(relu_ext.__path__, 'relu_ext.')]; \
+		[importlib.import_module(n) for n in names if not n.endswith('__main__')]; print('imported', len(names), 'modules of relu_ext')"
+	cd $(WHL)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider \
+		tests/activations/test_exact.py tests/tooling/test_packaging.py
+	rm -rf $(WHL)/venv
 
 clean:
 	rm -rf build dist src/*.egg-info src/relu_ext/*.so src/relu_ext/_build_config.py $(BUILD_STAMP)

@@ -7,7 +7,7 @@
 # On a machine with a GPU, torch with CUDA, nvcc and no network, from the repository root:
 #   build     TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e .
 #             then relu_ext.build_info()["cuda"] must be True and a CUDA relu must run (build.log)
-#   test      python3 -m pytest tests: the whole suite, CUDA variants included (tests.log, junit.xml)
+#   test      python3 -m pytest --full tests: the full tier, CUDA variants included (tests.log, junit.xml)
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over a small fixed selection of CUDA
 #             tests, SANITIZER_TESTS in this script (--list-sanitizer-tests), into sanitizer.log;
 #             memcheck runs with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (real allocation bounds)
@@ -166,13 +166,13 @@ JOBS=${MAX_JOBS:-16}
 
 # --- the commands (shared by --dry-run and the real run) ------------------------
 build_cmd() { echo "TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=$JOBS $PYTHON -m pip install -v --no-build-isolation --no-deps -e ."; }
-test_cmd() { echo "$PYTHON -m pytest tests -q -ra -p no:cacheprovider --durations=15 --junitxml=$1/junit.xml"; }
+test_cmd() { echo "$PYTHON -m pytest --full tests -q -ra -p no:cacheprovider --durations=15 --junitxml=$1/junit.xml"; }
 sanitizer_cmd() {  # tool
   local env="env -u PYTEST_ADDOPTS " count
   [ "$1" = memcheck ] && env+="PYTORCH_NO_CUDA_MEMORY_CACHING=1 "
   count=$(wc -w <<<"$SANITIZER_TESTS_LIST" | tr -d ' ')
   echo "${env}compute-sanitizer --tool $1 --error-exitcode $SANITIZER_ERROR_EXIT --target-processes all" \
-       "--report-api-errors no --print-limit 50 $PYTHON -m pytest -q -p no:cacheprovider <the $count tests below>"
+       "--report-api-errors no --print-limit 50 $PYTHON -m pytest --full -q -p no:cacheprovider <the $count tests below>"
 }
 bench_cmd() { echo "$PYTHON -m relu_ext.bench --device cuda --out $1 --name bench --no-progress $BENCH_EXTRA_LIST"; }
 models_cmd() { echo "$PYTHON bench/gpu_models.py --device cuda --out $1 --deadline $MODELS_DEADLINE_S"; }
@@ -331,7 +331,7 @@ step_test() {
   set -euo pipefail
   cd "$REPO"
   echo "\$ $(test_cmd "$R")"
-  "$PYTHON" -m pytest tests -q -ra -p no:cacheprovider --durations=15 --junitxml="$R/junit.xml"
+  "$PYTHON" -m pytest --full tests -q -ra -p no:cacheprovider --durations=15 --junitxml="$R/junit.xml"
 }
 
 step_sanitize() {  # tool
@@ -348,7 +348,7 @@ step_sanitize() {  # tool
   local -a env=(env -u PYTEST_ADDOPTS)
   [ "$tool" = memcheck ] && env+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
   "${env[@]}" "$SANITIZER_BIN" --tool "$tool" --error-exitcode "$SANITIZER_ERROR_EXIT" --target-processes all \
-    --report-api-errors no --print-limit 50 "$(command -v "$PYTHON")" -m pytest -q -p no:cacheprovider "${tests[@]}"
+    --report-api-errors no --print-limit 50 "$(command -v "$PYTHON")" -m pytest --full -q -p no:cacheprovider "${tests[@]}"
   rc=$?
   case $rc in
     0) echo "==== $tool: no errors, tests passed" ;;

@@ -10,7 +10,20 @@ import pytest
 import torch
 
 import relu_ext
+import tiers
 from relu_ext import _C
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    tiers.add_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.configure(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers.select(config, items)
+
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16}

@@ -9,6 +9,8 @@ import relu_ext
 from relu_ext import _C
 from conftest import DEVICES, DTYPES, adversarial, layouts
 
+pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
+
 ops = torch.ops.relu_ext
 
 

@@ -6,6 +6,8 @@ import torch
 import relu_ext
 from conftest import DEVICES
 
+pytestmark = pytest.mark.torch_version  # the risk it checks: see tests/tiers.py
+
 
 def _model(device, inplace=False):
     torch.manual_seed(0)

@@ -40,7 +40,7 @@ from cases import ONE_PER_OP
 from conftest import (DTYPES, INT_OF, adversarial, assert_bitwise_equal, known_torch_cuda_zero_difference,
                       torch_cuda_relu_clears_negative_zero)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible"), pytest.mark.native]
 
 ops = torch.ops.relu_ext
 

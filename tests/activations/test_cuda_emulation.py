@@ -25,6 +25,9 @@ from cases import CASES
 from conftest import tool_env
 from torch.utils import cpp_extension
 
+# Compiling the harness and its 39 million checks take minutes: the full tier's.
+pytestmark = pytest.mark.full
+
 HARNESS = Path(__file__).with_name("cuda_emulation.cpp")
 CSRC = next(p / "csrc" for p in Path(__file__).resolve().parents if (p / "csrc").is_dir())  # the kernels' includes
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]

@@ -13,6 +13,8 @@ import torch.multiprocessing as mp
 import relu_ext
 from relu_ext.compact.deferred import Deferred
 
+pytestmark = pytest.mark.torch_version  # the risk it checks: see tests/tiers.py
+
 
 class _Unfinished:
     """A stand-in for the CUDA event of a check (relu_ext.compact.deferred): never done until waited on."""
@@ -164,6 +166,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_file: str, version: 
         dist.destroy_process_group()
 
 
+@pytest.mark.quick(cover=())  # FSDP2 alone: each version is a two-process run
 @pytest.mark.parametrize("version", [2, 1], ids=["fsdp2", "fsdp1"])
 def test_fsdp_gloo_matches_nn_relu(tmp_path, version):
     out = tmp_path / "fsdp.pt"

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import relu_ext
 from conftest import DEVICES, DTYPES, SIZES, adversarial, assert_bitwise_equal, bits, layouts, minus_zero_meets_plus_zero
 
+pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

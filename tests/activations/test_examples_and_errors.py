@@ -18,6 +18,8 @@ from conftest import DEVICES
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import two_layer_net  # noqa: E402
 
+pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_layer_net_same_trajectory(device):

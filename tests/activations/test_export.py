@@ -19,7 +19,7 @@ pytest.importorskip("onnxscript", reason="onnxscript is in the test extra (pip i
 
 # TorchScript is deprecated (each call warns: DeprecationWarning in torch 2.11,
 # FutureWarning in 2.14); it is still supported, and tested.
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated"), pytest.mark.torch_version]
 
 INPLACE = pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
 

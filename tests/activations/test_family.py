@@ -21,6 +21,8 @@ from cases import (BY_ID, CASE_IDS, CASES, FUNC_CASES, ONE_PER_OP, REPRESENTATIV
                    grad_at_nan, run_case, with_edges)
 from conftest import DEVICES, DTYPES, adversarial, bits, layouts, node_names
 
+pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
+
 ops = torch.ops.relu_ext
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,20 +1,25 @@
 """Property-based fuzzing against PyTorch, torch.export, and concurrent use.
 
-The fuzz run is fixed-seed (derandomized) in CI; set RELU_EXT_FUZZ_EXAMPLES
-for a longer one.
+The fuzz run is fixed-seed (derandomized): 2,000 examples in the full tier, 200 in the
+quick one; set RELU_EXT_FUZZ_EXAMPLES for a longer one.
 """
 
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import relu_ext
 from conftest import DTYPES, adversarial, assert_bitwise_equal
+from tiers import Tier
 
-EXAMPLES = int(os.environ.get("RELU_EXT_FUZZ_EXAMPLES", "2000"))
+pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
+
+# 2,000 in the full tier, 200 in the quick one.
+EXAMPLES = int(os.environ.get("RELU_EXT_FUZZ_EXAMPLES", "2000" if Tier.full else "200"))
 
 
 @st.composite
@@ -85,6 +90,7 @@ def test_fuzz_against_pytorch(case):
             assert_bitwise_equal(mine, theirs, "in place on the view")
 
 
+@pytest.mark.torch_version
 def test_torch_export():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), relu_ext.ReLU(), torch.nn.Linear(16, 4), relu_ext.ReLU())

@@ -17,6 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import relu_ext
 from conftest import DEVICES, adversarial, assert_bitwise_equal, node_names
 
+pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
+
 _F_RELU_TAKEN_BEFORE_INSTALL = F.relu  # as library code that did `from torch.nn.functional import relu`
 
 
@@ -633,6 +635,7 @@ def _model_step(model: torch.nn.Module, inputs: Any, dtype: torch.dtype) -> tupl
     return out.detach(), [p.grad for p in model.parameters() if p.grad is not None], nodes
 
 
+@pytest.mark.quick(cover=("dtype",))  # one model a dtype: a real model takes seconds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", MODELS)
 def test_real_models_run_relu_ext_everywhere_with_identical_results(name, dtype):
@@ -666,6 +669,7 @@ print("loaded and equal")
 """
 
 
+@pytest.mark.full  # a fresh process that exports and lowers: the quick tier has test_export.py's cases
 def test_lowered_export_loads_in_a_process_without_relu_ext(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(  # ReLU and every activation of the family, in place and not

@@ -34,6 +34,8 @@ def _assert_periodic(big: torch.Tensor, period: torch.Tensor, what: str) -> None
             raise AssertionError(f"{what}: element {start + bad} differs from element {bad} of the period")
 
 
+@pytest.mark.full
+@pytest.mark.native
 @pytest.mark.skipif(_available_gb() < NEED_GB, reason=f"needs {NEED_GB} GB of free memory")
 def test_more_than_2_to_the_31_elements_cpu():
     base = adversarial(P, torch.bfloat16, seed=31)

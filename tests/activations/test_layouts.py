@@ -16,6 +16,8 @@ import relu_ext
 from conftest import DEVICES, DTYPES, adversarial, assert_same_step, train_step
 from cases import BY_ID, CASE_IDS, FUNC_CASES, ONE_PER_OP_IDS, assert_family_equal, grad_at_nan, run_case, with_edges
 
+pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
+
 SHAPE = (2, 3, 4, 5)
 
 # A layout of SHAPE as a function of the data it lays out (each gives a tensor of SHAPE).

@@ -7,6 +7,8 @@ import torch
 import relu_ext
 from conftest import DTYPES, adversarial, assert_bitwise_equal
 
+pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
+
 ops = torch.ops.relu_ext
 
 

@@ -14,6 +14,8 @@ import relu_ext
 from conftest import assert_bitwise_equal
 from cases import BY_ID, ONE_PER_OP, run_case
 
+pytestmark = pytest.mark.torch_version  # the risk it checks: see tests/tiers.py
+
 
 @pytest.fixture
 def _pytorch_kernels_around():

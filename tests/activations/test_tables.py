@@ -20,6 +20,8 @@ from cases import BY_ID, CASES, ONE_PER_OP, OPS, REPRESENTATIVES, run_case
 from relu_ext import _C
 from relu_ext.activations import ACTIVATIONS
 
+pytestmark = pytest.mark.torch_version  # the risk it checks: see tests/tiers.py
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = {a.name: a for a in ACTIVATIONS}
 

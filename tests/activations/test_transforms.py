@@ -19,6 +19,8 @@ import relu_ext
 from cases import ONE_PER_OP, REPRESENTATIVES, Case, run_case
 from conftest import DEVICES, adversarial, assert_bitwise_equal
 
+pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
+
 
 def _inputs(device: str, shape=(6, 5), seed: int = 0) -> torch.Tensor:
     """float64 values of every kind (NaN, ±0, ±inf, denormals), but never

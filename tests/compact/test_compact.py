@@ -16,6 +16,8 @@ from relu_ext import _C, compact
 from relu_ext.compact import forms, hooks
 from conftest import DEVICES, adversarial, assert_bitwise_equal, assert_same_step, train_step
 
+pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
+
 
 # --- the ops: relu_ext::compact / expand / nonzero_mask ------------------------------------
 

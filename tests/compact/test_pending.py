@@ -21,6 +21,8 @@ from relu_ext.compact import recipes
 from relu_ext.compact.deferred import Deferred
 from test_deferred import _Net
 
+pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
+
 
 class _Event:
     """A stand-in for a CUDA event: complete once the test says so (``complete``) or once waited on."""

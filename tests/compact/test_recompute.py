@@ -21,6 +21,8 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 from cases import REPRESENTATIVES, torch_fn  # noqa: E402  (the table of activations)
 
+pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
+
 # (op name, its arguments, PyTorch's function of the BatchNorm output): one per public function of the table.
 ACTS: dict[str, tuple[str, list[float], Callable[[torch.Tensor], torch.Tensor]]] = {
     c.id: (c.op, list(c.args), torch_fn(c)) for c in REPRESENTATIVES

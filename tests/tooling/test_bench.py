@@ -27,7 +27,9 @@ TINY = ["--device", "cpu", "--rounds", "3", "--budget", "0.01", "--no-progress",
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: a module-scoped one is set up again whenever pytest-xdist runs another
+# module's test between two of these (their xdist_group keeps them on one worker).
+@pytest.fixture(scope="session")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     res = cli.main(["--device", "cpu", "--dtypes", "float32,bfloat16", "--sizes", "1024,4099", "--quick",
@@ -36,6 +38,8 @@ def result(tmp_path_factory):
     return res, out
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_files_written(result):
     res, out = result
     assert json.loads((out / "t.json").read_text()) == json.loads(json.dumps(res))
@@ -43,6 +47,8 @@ def test_files_written(result):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_environment_recorded(result):
     env = result[0]["environment"]
     for key in ("date", "device", "torch", "cuda", "cpu", "threads", "python", "relu_ext", "triton", "load_start",
@@ -110,6 +116,8 @@ def check_row(r, rounds, max_spread):
         assert math.isclose(c["of_copy"], want)
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_kernel_rows_schema_and_arithmetic(result):
     res = result[0]
     rows = res["kernels"]
@@ -138,6 +146,8 @@ def test_kernel_rows_schema_and_arithmetic(result):
     assert len(same) == len(peers.CASES) and all(s == same[0] for s in same)
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_small_memory_models_sections(result):
     res = result[0]
     assert [(r["numel"], r["case"]) for r in res["small"]] == [(n, c) for n in cli.QUICK_SMALL_SIZES
@@ -179,6 +189,8 @@ def test_small_memory_models_sections(result):
     assert "real models, training mode" in text
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_tables_fit_120_columns(result):
     """Six implementations (CUDA adds triton), GPU-sized GB/s and a figure far
     above the copy: every line still fits."""
@@ -261,6 +273,8 @@ def test_load_warning(monkeypatch, capsys):
     assert timing.load_warning(timing.load_average()) is None
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_family_rows(result):
     """Each activation of the family against PyTorch's op: forward, training forward (relu_ext
     writes the mask), backward (PyTorch's *_backward reads the input, relu_ext the mask) and in place."""
@@ -315,6 +329,8 @@ def test_help_lists_the_flags():
     assert not re.search(r"\b(git|make)\b", text), re.search(r".*\b(git|make)\b.*", text).group(0)
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_table_headers_name_the_columns_and_units(result):
     lines = report.format_tables(result[0]).splitlines()
     kernel_heads = [line for line in lines if line.startswith("size case ") and "GB/s" in line]
@@ -330,6 +346,8 @@ def test_table_headers_name_the_columns_and_units(result):
     assert [line[15:24].strip() for line in table] == ["held MiB", "peak MiB", "step ms"] * (len(table) // 3)
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_plot_panels(result, tmp_path):
     panels = report.plot(result[0], str(tmp_path / "p.png"))
     titles = [t for t, _ in panels]
@@ -476,6 +494,8 @@ def test_installed_rows_run_under_install_and_only_there():
     assert not relu_ext.installed()
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_small_section_has_installed_rows(result):
     res, _ = result
     cases = {r["case"] for r in res["small"] if "installed" in r["results"]}
@@ -499,6 +519,7 @@ def test_held_bytes_count_what_the_graph_saves():
     assert counts["narrowed"] == counts["pooled"] == 1  # the max-pool's indices, its output
 
 
+@pytest.mark.full  # compiles resnet18
 def test_compiled_section(monkeypatch):
     """torch.compile of the model with nn.ReLU and with relu_ext's modules: both rows, their
     ratios from their own rounds, and the progress count (aot_eager: seconds, not minutes)."""
@@ -737,6 +758,8 @@ def markdown_rows(text, first_cells):
     return dict(zip(cells[head], cells[k]))
 
 
+@pytest.mark.full  # the run behind `result` takes minutes
+@pytest.mark.xdist_group("bench_result")  # one worker runs it
 def test_make_readme_summarises_each_results_file(result, tmp_path):
     res, _ = result
     mr = make_readme()
@@ -851,6 +874,7 @@ def gpu_models():
     return bench_script("gpu_models")
 
 
+@pytest.mark.full  # minutes on the CPU
 def test_gpu_models_runs_every_configuration_on_the_cpu(tmp_path):
     """The GPU models' code path at toy sizes on the CPU (no compile: minutes here): every case and
     configuration has its figures, save_compact() holds less and counts what it did, and the JSON

@@ -157,7 +157,7 @@ def test_dry_run_lists_every_step_and_touches_nothing(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16" in text and "-m pip install -v --no-build-isolation --no-deps -e ." in text
-    assert "-m pytest tests " in text and f"--junitxml={tmp_path / 'results'}/junit.xml" in text
+    assert "-m pytest --full tests " in text and f"--junitxml={tmp_path / 'results'}/junit.xml" in text
     for tool in ("memcheck", "racecheck", "synccheck"):
         assert f"compute-sanitizer --tool {tool} --error-exitcode" in text
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck" in text
@@ -182,7 +182,7 @@ def test_dry_run_follows_steps_and_quick(tmp_path):
     assert "pip install" not in out.stdout and "-m pytest" not in out.stdout and "compute-sanitizer" not in out.stdout
     assert "only if no CUDA build" in out.stdout
     out = run("--dry-run", "--steps", "test,sanitize", "--sanitizer-tools", "memcheck")
-    assert "-m pytest tests" in out.stdout and "--tool memcheck" in out.stdout
+    assert "-m pytest --full tests" in out.stdout and "--tool memcheck" in out.stdout
     assert "--tool racecheck" not in out.stdout and "relu_ext.bench" not in out.stdout
     assert "bench/results/gpu-<device-slug>-" in out.stdout
 
@@ -201,7 +201,8 @@ def test_sanitizer_selection_is_collected_by_pytest():
         assert "[" not in entry or "cuda" in entry or path == "tests/activations/test_cuda.py", f"{entry}: not a CUDA variant"
     assert any(e.startswith("tests/activations/test_cuda.py::") for e in selection)
     assert any("inplace" in e for e in selection) and any("backward" in e or "autograd" in e for e in selection)
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
+    out = subprocess.run([sys.executable, "-m", "pytest", "--full", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *selection],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert not re.search(r"\berrors?\b", out.stdout.lower()), out.stdout[-3000:]

@@ -62,6 +62,14 @@ def test_default_arch_list_covers_common_gpus():
         assert all(f"sm_{a.replace('.', '')}" in out for a in plain), (archs, out)
 
 
+@pytest.mark.skipif(not str(relu_ext.build_info()["cuda_arch_source"]).startswith("development"),
+                    reason="this build was not a development build with no GPU visible")
+def test_development_build_compiles_one_architecture():
+    """pip install -e . (and build_ext --inplace) with no GPU visible: sm_90 alone, which
+    test_cuda_codegen reads; wheels keep the list above."""
+    assert relu_ext.build_info()["cuda_arch_list"] == "9.0"
+
+
 def test_other_torch_minor_is_refused_by_name():
     with pytest.raises(ImportError, match=r"built against torch 2\.14\.1.*torch 2\.15\.0 is installed.*no-build-isolation"):
         _build.check_torch(running="2.15.0", built="2.14.1")

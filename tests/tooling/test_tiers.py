@@ -1,0 +1,83 @@
+"""The two test tiers (tests/tiers.py): the quick tier stays small, covers every parameter value
+of every test, and drops no test function the full tier has, except those marked `full`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import tiers
+
+ROOT = Path(__file__).resolve().parents[2]
+# What `make test` may collect. Raise it only with a reason: the quick tier is the README's test
+# command, at most 3 minutes of tests on a 2-core machine.
+QUICK_TIER_BOUND = 1000
+
+
+def _collected(*args: str) -> list[str]:
+    """The node ids `pytest --collect-only` lists with `args`, from the repository's root (the
+    quick tier unless `args` say otherwise, whatever RELU_EXT_FULL says here)."""
+    env = {k: v for k, v in os.environ.items() if k != "RELU_EXT_FULL"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args,
+                          "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode in (0, 5), out.stdout[-3000:] + out.stderr[-3000:]
+    return [line.strip() for line in out.stdout.splitlines() if "::" in line]
+
+
+def _functions(ids: list[str]) -> set[str]:
+    return {i.split("[")[0] for i in ids}
+
+
+def test_the_quick_tier_is_bounded():
+    quick = _collected()
+    assert 300 <= len(quick) <= QUICK_TIER_BOUND, f"the quick tier collects {len(quick)} tests"
+
+
+@pytest.mark.full
+def test_the_quick_tier_keeps_every_test_function():
+    quick, full, full_only = _collected(), _collected("--full"), _collected("--full", "-m", "full")
+    assert set(quick) < set(full)
+    missing = _functions(full) - _functions(full_only) - _functions(quick)
+    assert not missing, f"in the full tier only, without a `full` marker: {sorted(missing)}"
+
+
+class _Item(SimpleNamespace):
+    """A stand-in for a pytest item: its parameters and its `quick` marker."""
+
+    def get_closest_marker(self, name: str) -> object:
+        return self.marks.get(name)
+
+
+def _items(grid: dict[str, list], quick: "dict | None" = None) -> list[_Item]:
+    """Every combination of `grid`, in pytest's order (the last parameter varies fastest)."""
+    combos = [{}]
+    for name, values in grid.items():
+        combos = [{**c, name: v} for c in combos for v in values]
+    mark = SimpleNamespace(kwargs=quick) if quick is not None else None
+    return [_Item(callspec=SimpleNamespace(params=c), marks={"quick": mark} if mark else {}) for c in combos]
+
+
+def test_covering_takes_every_value_of_every_parameter_in_few_items():
+    grid = {"dtype": ["f32", "f64", "f16", "bf16"], "n": [0, 1, 31, 33, 1023, 4097, 1_000_003],
+            "isa": ["scalar", "avx2", "avx512"], "device": ["cpu"]}
+    chosen = tiers._covering(_items(grid))
+    assert len(chosen) == 7  # the longest list: each pick covers a new size
+    for name, values in grid.items():
+        assert {i.callspec.params[name] for i in chosen} == set(values), name
+
+
+def test_covering_follows_the_quick_marker():
+    grid = {"arch": ["resnet18", "densenet121", "googlenet"], "dtype": ["f32", "bf16"]}
+    chosen = tiers._covering(_items(grid, {"cover": ("dtype",)}))
+    assert [i.callspec.params for i in chosen] == [{"arch": "resnet18", "dtype": "f32"},
+                                                   {"arch": "resnet18", "dtype": "bf16"}]
+    (one,) = tiers._covering(_items(grid, {"cover": ()}))
+    assert one.callspec.params == {"arch": "resnet18", "dtype": "f32"}
+    # Unhashable values (a list in a table) count by identity.
+    rows = [[1], [2]]
+    assert len(tiers._covering(_items({"row": rows}))) == 2
