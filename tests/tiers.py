@@ -15,6 +15,9 @@ Markers steer it:
 - `native`, `torch_version`: the risk a test checks, for the CI legs that
   run the full matrices of just those (see docs/testing.md).
 
+Some parameters are covered in pairs (PAIRS): a CPU kernel set has a code
+path per element width, so each kernel set meets each dtype.
+
 `--full-marked MARK` gives the tests marked MARK their full matrices and the
 rest the quick tier (the oldest-torch leg runs `--full-marked torch_version`).
 """
@@ -43,6 +46,10 @@ def add_option(parser: pytest.Parser) -> None:
                      help="run the full tier: every test with every parameter combination (default: the quick tier)")
     parser.addoption("--full-marked", metavar="MARK", default=None,
                      help="the full matrices of the tests marked MARK, the quick tier of the rest")
+
+
+# Parameters whose values are covered together, every pair of values, where a test has both.
+PAIRS = [("cpu_isa", "dtype")]
 
 
 class Tier:
@@ -74,27 +81,39 @@ def _key(value: object) -> object:
     return value
 
 
-def _values(item: pytest.Item, cover: "Iterable[str] | None") -> set[tuple[str, object]]:
-    """The (parameter, value) pairs of `item` that the quick tier must cover."""
+def _values(item: pytest.Item, cover: "Iterable[str] | None") -> set[tuple[object, object]]:
+    """What of `item` the quick tier must cover: (parameter, value) for each parameter, and
+    ((parameter, parameter), (value, value)) for each of PAIRS that it has."""
     spec = getattr(item, "callspec", None)
     if spec is None:
         return set()
-    names = spec.params if cover is None else [n for n in cover if n in spec.params]
-    return {(n, _key(spec.params[n])) for n in names}
+    names = [n for n in spec.params if cover is None or n in cover]
+    pairs = [p for p in PAIRS if set(p) <= set(names)]
+    return ({(n, _key(spec.params[n])) for n in names}
+            | {(p, tuple(_key(spec.params[n]) for n in p)) for p in pairs})
+
+
+def _skipped_here(item: pytest.Item) -> bool:
+    """Whether a `skipif` with a plain True condition skips `item` on this machine (the CUDA
+    variants where no GPU is visible): such an item covers nothing."""
+    return any(bool(m.args) and m.args[0] is True for m in item.iter_markers("skipif"))
 
 
 def _covering(items: list[pytest.Item]) -> list[pytest.Item]:
-    """A small subset of one test function's items that covers every parameter value they have:
-    greedy, each pick the item with the most values not yet covered (first in collection order on
-    a tie), so the pick is the same in every process (pytest-xdist collects once per worker)."""
+    """A small subset of one test function's items that covers every parameter value (and every
+    pair of PAIRS) of the items that run here: greedy, each pick the item with the most not yet
+    covered (first in collection order on a tie), so the pick is the same in every process
+    (pytest-xdist collects once per worker)."""
     mark = items[0].get_closest_marker("quick")
     cover = mark.kwargs.get("cover") if mark is not None else None
-    want = [_values(i, cover) for i in items]
-    left = set().union(*want)
-    chosen = [0]  # the first combination always: a test with nothing to cover still runs once
-    left -= want[0]
+    runs = [k for k, i in enumerate(items) if not _skipped_here(i)]
+    want = {k: _values(items[k], cover) for k in runs}
+    left = set().union(*want.values())
+    # The first combination that runs here (else the first): a test with nothing to cover runs once.
+    chosen = [runs[0] if runs else 0]
+    left -= want.get(chosen[0], set())
     while left:
-        best = max(range(len(items)), key=lambda k: (len(want[k] & left), -k))
+        best = max(runs, key=lambda k: (len(want[k] & left), -k))
         chosen.append(best)
         left -= want[best]
     return [items[k] for k in sorted(chosen)]

@@ -47,10 +47,13 @@ def test_the_quick_tier_keeps_every_test_function():
 
 
 class _Item(SimpleNamespace):
-    """A stand-in for a pytest item: its parameters and its `quick` marker."""
+    """A stand-in for a pytest item: its parameters, its `quick` marker, its skipifs."""
 
     def get_closest_marker(self, name: str) -> object:
         return self.marks.get(name)
+
+    def iter_markers(self, name: str) -> list:
+        return self.skips if name == "skipif" else []
 
 
 def _items(grid: dict[str, list], quick: "dict | None" = None) -> list[_Item]:
@@ -59,16 +62,31 @@ def _items(grid: dict[str, list], quick: "dict | None" = None) -> list[_Item]:
     for name, values in grid.items():
         combos = [{**c, name: v} for c in combos for v in values]
     mark = SimpleNamespace(kwargs=quick) if quick is not None else None
-    return [_Item(callspec=SimpleNamespace(params=c), marks={"quick": mark} if mark else {}) for c in combos]
+    return [_Item(callspec=SimpleNamespace(params=c), marks={"quick": mark} if mark else {},
+                  skips=[SimpleNamespace(args=(True,))] if c.get("device") == "cuda" else []) for c in combos]
 
 
 def test_covering_takes_every_value_of_every_parameter_in_few_items():
     grid = {"dtype": ["f32", "f64", "f16", "bf16"], "n": [0, 1, 31, 33, 1023, 4097, 1_000_003],
-            "isa": ["scalar", "avx2", "avx512"], "device": ["cpu"]}
+            "isa": ["scalar", "avx2", "avx512"]}
     chosen = tiers._covering(_items(grid))
     assert len(chosen) == 7  # the longest list: each pick covers a new size
     for name, values in grid.items():
         assert {i.callspec.params[name] for i in chosen} == set(values), name
+
+
+def test_covering_pairs_kernel_sets_with_dtypes_on_items_that_run_here():
+    """Each kernel set meets each dtype (a path per element width), never through an item that a
+    skipif skips here (the CUDA variants without a GPU)."""
+    grid = {"cpu_isa": ["scalar", "avx2", "avx512"], "dtype": ["f32", "f64", "f16", "bf16"],
+            "n": [0, 1, 31], "device": ["cpu", "cuda"]}
+    chosen = tiers._covering(_items(grid))
+    assert all(i.callspec.params["device"] == "cpu" for i in chosen)
+    assert {(i.callspec.params["cpu_isa"], i.callspec.params["dtype"]) for i in chosen} == \
+        {(a, d) for a in grid["cpu_isa"] for d in grid["dtype"]}
+    assert {i.callspec.params["n"] for i in chosen} == set(grid["n"])
+    (first,) = tiers._covering(_items({"device": ["cuda"]}))  # nothing runs here: one item, to show the skip
+    assert first.callspec.params == {"device": "cuda"}
 
 
 def test_covering_follows_the_quick_marker():
