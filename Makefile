@@ -1,10 +1,11 @@
 # Two commands do all set-up on a fresh machine:
 #   make test    venv + torch + build (CUDA kernels compiled when nvcc is found) + the quick tier
 #   make bench   venv + torch + build + kernel benchmark
-# make test-full runs the full tier (every parameter combination; tests/tiers.py).
+# make test-full runs the full tier (every parameter combination; tests/tiers.py), make test-rest
+# what it adds to make test.
 # Inside an existing environment (e.g. a GPU machine with torch, no network):
 #   pip install --no-build-isolation -e . && pytest          (pytest --full: the full tier)
-# CI's legs (.ci/run): test, test-main, test-sanitize, test-torch-old, test-package;
+# CI's legs (.ci/run): test, test-rest, test-sanitize, test-torch-old, test-package;
 # docs/testing.md says which risk each one tests.
 
 PYTHON ?= python3
@@ -25,13 +26,16 @@ export PIP_CONSTRAINT := /dev/null
 WORKERS ?= 2
 PYTEST_ARGS ?= -n $(WORKERS) --dist loadgroup --durations=15
 
+# pytest with pytest-xdist as a pair that works: xdist 3.8 names an xdist_group in item._nodeid,
+# which pytest 9.2 no longer reads, so groups split across workers (tests/tooling/test_tiers.py).
 DEPS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) transformers==$(TRANSFORMERS_VERSION) timm==$(TIMM_VERSION) \
-	ninja numpy pytest pytest-xdist build hypothesis expecttest matplotlib onnx onnxruntime onnxscript
-DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)-$(words $(DEPS))
+	ninja numpy pytest==9.1.1 pytest-xdist==3.8.0 build hypothesis expecttest matplotlib onnx onnxruntime onnxscript
+DEPS_HASH := $(shell echo '$(DEPS)' | cksum | cut -d' ' -f1)
+DEPS_STAMP := $(VENV)/.deps-$(DEPS_HASH)
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*/*) $(wildcard src/relu_ext/*.py src/relu_ext/compact/*.py src/relu_ext/bench/*.py)
 
-.PHONY: test test-full test-main test-sanitize test-torch-old test-package wheel bench bench-results build deps clean \
+.PHONY: test test-full test-rest test-sanitize test-torch-old test-package wheel bench bench-results build deps clean \
 	distclean uninstall
 
 # The README's test command: the quick tier.
@@ -40,6 +44,10 @@ test: $(BUILD_STAMP)
 
 test-full: $(BUILD_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) --full tests
+
+# The full tier less the quick tier: CI's second leg, on make test's build.
+test-rest: $(BUILD_STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) --rest tests
 
 # Builds the tracked sources in a scratch copy, so the main build stays.
 # $(1): folder under build/, $(2): environment for the build, $(3): python (default: the venv's).
@@ -51,8 +59,9 @@ endef
 SCRATCH_PYTEST = $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The CPU kernels and bindings built with AddressSanitizer and
-# UndefinedBehaviorSanitizer (aborting on the first report), under the full
-# matrices of the tests that reach native code (-m native). The build is
+# UndefinedBehaviorSanitizer (aborting on the first report), under the quick
+# tier of the tests that reach native code (-m native): every size, dtype,
+# layout and kernel set at least once, each kernel set with each dtype. The build is
 # CPU-only, so it is also the build without CUDA kernels that must import and
 # pass (its tests assert it has none). python and torch are not instrumented, so the ASan runtime is
 # preloaded, with libstdc++ beside it (else ASan's __cxa_throw interceptor
@@ -64,19 +73,17 @@ test-sanitize: $(DEPS_STAMP)
 	$(call scratch_build,sanitize,RELU_EXT_SANITIZE=1)
 	cd build/sanitize && RELU_EXT_SANITIZE=1 PYTHONPATH=$(abspath build/sanitize/src) \
 		LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
-		$(SCRATCH_PYTEST) --full -m native tests
+		$(SCRATCH_PYTEST) -m native tests
 
 # The GPU machines run torch 2.11: build against it too (a development build:
-# the CUDA kernels for one architecture where nvcc exists), then the quick tier,
-# and the full matrices of what depends on torch's version (-m torch_version).
-# In one process, in collection order: under pytest-xdist's order, torch 2.11's
-# inductor (with CI set) failed test_compile_inference_inplace_and_integers
-# (make_fallback finds relu_ext.relu's decomposition; docs/testing.md).
+# the CUDA kernels for one architecture where nvcc exists), then the full
+# matrices of the tests of what depends on torch's version (-m torch_version).
+# The rest (kernel sets, dtypes, sizes: relu_ext's own code) does not depend on it.
 OLD_TORCH ?= 2.11.0
 OLD_TORCHVISION ?= 0.26.0
 OLD_VENV ?= .venv-torch$(OLD_TORCH)
 OLD_PY := $(OLD_VENV)/bin/python
-OLD_STAMP := $(OLD_VENV)/.deps-$(words $(DEPS))
+OLD_STAMP := $(OLD_VENV)/.deps-$(DEPS_HASH)
 $(OLD_STAMP):
 	$(PYTHON) -m venv $(OLD_VENV)
 	$(OLD_PY) -m pip install -q --upgrade pip setuptools wheel
@@ -86,7 +93,7 @@ test-torch-old: $(OLD_STAMP)
 	$(OLD_PY) -c "import torch; assert torch.__version__.startswith('$(OLD_TORCH)'), torch.__version__"
 	$(call scratch_build,torch-old,,$(OLD_PY))
 	cd build/torch-old && PYTHONPATH=$(abspath build/torch-old/src) $(abspath $(OLD_PY)) -m pytest -q -p no:cacheprovider \
-		--durations=15 --full-marked torch_version tests
+		$(PYTEST_ARGS) --full-marked torch_version -m torch_version tests
 
 # make bench writes to bench/out (git ignores it, each run its own name);
 # make bench-results into the committed bench/results, on purpose.
@@ -128,20 +135,11 @@ $(WHEEL_STAMP): $(DEPS_STAMP) $(SOURCES)
 	touch $@
 wheel: $(WHEEL_STAMP)
 
-# CI's main leg: that wheel, installed beside the venv's packages (so it, not the development
-# build, is what `import relu_ext` finds), under the full tier.
-WHL_SITE := $(abspath $(WHL)/site)
-test-main: $(WHEEL_STAMP)
-	rm -rf $(WHL_SITE)
-	$(PY) -m pip install -q --no-deps --target $(WHL_SITE) $(WHL)/relu_ext-*.whl
-	PYTHONPATH=$(WHL_SITE) $(PY) -c "import relu_ext; assert relu_ext.__file__.startswith('$(WHL_SITE)/'), \
-		relu_ext.__file__; print('relu_ext from the wheel:', relu_ext.build_info())"
-	PYTHONPATH=$(WHL_SITE) $(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) --full tests
-
-# The package smoke test: a wheel build in pip's default isolated environment stops with the
-# explanation instead of compiling; the wheel installs with plain pip into a fresh venv (torch
-# from its requirement), imports every subpackage, and passes the quick tier of two files from
-# the unpacked sdist's root.
+# The package leg: the release wheel (every architecture: the one build of CI that compiles
+# them all). A wheel build in pip's default isolated environment stops with the explanation
+# instead of compiling; the wheel installs with plain pip into a fresh venv (torch from its
+# requirement), imports every module, and passes the quick tier of two files from the
+# unpacked sdist's root.
 PKG_PY := $(WHL)/venv/bin/python
 test-package: $(WHEEL_STAMP)
 	! $(PY) -m build --wheel --outdir $(WHL)/isolated $(WHL)/relu_ext-*/ > $(WHL)/isolated.log 2>&1
@@ -150,7 +148,8 @@ test-package: $(WHEEL_STAMP)
 	$(PKG_PY) -m pip install -q $(WHL)/relu_ext-*.whl pytest
 	$(PKG_PY) -c "import pkgutil, importlib, relu_ext; \
 		names = [m.name for m in pkgutil.walk_packages(relu_ext.__path__, 'relu_ext.')]; \
-		[importlib.import_module(n) for n in names if not n.endswith('__main__')]; print('imported', len(names), 'modules of relu_ext')"
+		names = [n for n in names if not n.endswith('__main__')]; \
+		[importlib.import_module(n) for n in names]; print('imported', len(names), 'modules of relu_ext')"
 	cd $(WHL)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider \
 		tests/activations/test_exact.py tests/tooling/test_packaging.py
 	rm -rf $(WHL)/venv

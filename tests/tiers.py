@@ -18,6 +18,8 @@ Markers steer it:
 Some parameters are covered in pairs (PAIRS): a CPU kernel set has a code
 path per element width, so each kernel set meets each dtype.
 
+`--rest` runs the full tier less the quick tier: what `pytest --full` adds to
+plain `pytest` (CI runs it after `make test`, on the same build).
 `--full-marked MARK` gives the tests marked MARK their full matrices and the
 rest the quick tier (the oldest-torch leg runs `--full-marked torch_version`).
 """
@@ -41,9 +43,11 @@ MARKERS = {
 
 
 def add_option(parser: pytest.Parser) -> None:
-    """`--full` (everything; also RELU_EXT_FULL=1) and `--full-marked MARK`."""
+    """`--full` (everything; also RELU_EXT_FULL=1), `--rest` and `--full-marked MARK`."""
     parser.addoption("--full", action="store_true", default=os.environ.get("RELU_EXT_FULL") == "1",
                      help="run the full tier: every test with every parameter combination (default: the quick tier)")
+    parser.addoption("--rest", action="store_true", default=False,
+                     help="run the full tier less the quick tier (what --full adds to a plain run)")
     parser.addoption("--full-marked", metavar="MARK", default=None,
                      help="the full matrices of the tests marked MARK, the quick tier of the rest")
 
@@ -52,22 +56,14 @@ def add_option(parser: pytest.Parser) -> None:
 PAIRS = [("cpu_isa", "dtype")]
 
 
-class Tier:
-    """This session's tier, for the tests whose size is a number rather than parameters (the fuzz
-    run's examples): set once when pytest is configured."""
-
-    full = False
-
-
 def configure(config: pytest.Config) -> None:
-    """Registers the markers and records the tier."""
+    """Registers the markers."""
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-    Tier.full = config.getoption("full")
 
 
 def _full_for(config: pytest.Config, item: pytest.Item) -> bool:
-    """Whether `item` runs with its whole matrix in this session."""
+    """Whether `item` runs with its whole matrix in the quick tier of this session."""
     mark = config.getoption("full_marked")
     return config.getoption("full") or (mark is not None and item.get_closest_marker(mark) is not None)
 
@@ -119,8 +115,8 @@ def _covering(items: list[pytest.Item]) -> list[pytest.Item]:
     return [items[k] for k in sorted(chosen)]
 
 
-def select(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Drops, in place, what this tier does not run, and reports it as deselected."""
+def _quick(config: pytest.Config, items: list[pytest.Item]) -> set[int]:
+    """The ids of the items the quick tier (with `--full-marked`, if given) runs."""
     keep: list[pytest.Item] = []
     groups: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
@@ -130,7 +126,15 @@ def select(config: pytest.Config, items: list[pytest.Item]) -> None:
             groups[item.nodeid.split("[")[0]].append(item)
     for group in groups.values():
         keep.extend(_covering(group))
-    kept = set(map(id, keep))
+    return set(map(id, keep))
+
+
+def select(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Drops, in place, what this tier does not run, and reports it as deselected."""
+    if config.getoption("full"):
+        return
+    quick = _quick(config, items)
+    kept = {id(i) for i in items if id(i) not in quick} if config.getoption("rest") else quick
     dropped = [i for i in items if id(i) not in kept]
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -11,11 +11,21 @@
   ``relu_``: functionalization turns it into ``relu``, see csrc/activations/family.cpp.)
 - :func:`aten_decompositions`: a table for ``ExportedProgram.run_decompositions``
   that lowers relu_ext's ops to aten, so a saved program loads without relu_ext.
+- Inductor: runs the ops that have a decomposition as what they are (a fallback
+  kernel, as for any op it has no lowering for). Its implicit fallback refuses an op
+  with a decomposition when the ``CI`` environment variable is set ("make_fallback:
+  a decomposition exists"), so the fallbacks are made explicitly, once
+  ``torch._inductor.lowering`` is imported (importing it here would add seconds to
+  ``import relu_ext``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.onnx
@@ -48,6 +58,7 @@ def _exporters(name: str) -> None:
         aten_(x, *args)
 
     torch._decomp.register_decomposition(ours)(decomposition)
+    _DECOMPOSED.append(ours)
     _TABLE[ours], _TABLE[ours_] = decomposition, inplace_decomposition
     # PyTorch's own symbolics, each from the opset that introduced it (Clip
     # takes its bounds as inputs from opset 11 on), so both exporters write
@@ -59,8 +70,52 @@ def _exporters(name: str) -> None:
 
 
 _TABLE: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+_DECOMPOSED: list[torch._ops.OpOverload] = []  # in torch's decomposition table
 for _act in ACTIVATIONS:
     _exporters(_act.name)
+
+
+def _inductor_fallbacks(lowering: ModuleType) -> None:
+    """Makes inductor's fallback for each op with a decomposition, with the layout constraint its
+    implicit fallback would give (from the op's tags), unless something already lowers it."""
+    from torch._library.utils import get_layout_constraint_tag
+
+    for op in _DECOMPOSED:
+        if op not in lowering.lowerings:
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            lowering.make_fallback(op, constraint, warn=False)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` once, after the module named `name` is imported (at once if it
+    already is): the other finders find it, and its loader's exec_module is wrapped."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name, self.then = name, then
+        self.exec_module: "Callable[[ModuleType], None] | None" = None  # the module's loader's
+        if name in sys.modules:
+            then(sys.modules[name])
+        else:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, fullname: str, path: "Sequence[str] | None", target: "ModuleType | None" = None
+                  ) -> "importlib.machinery.ModuleSpec | None":
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            self.exec_module = spec.loader.exec_module
+            spec.loader.exec_module = self._exec_module  # type: ignore[method-assign]
+        return spec
+
+    def _exec_module(self, module: ModuleType) -> None:
+        assert self.exec_module is not None
+        self.exec_module(module)
+        self.then(module)
+
+
+_AfterImport("torch._inductor.lowering", _inductor_fallbacks)
 
 
 def aten_decompositions() -> dict[torch._ops.OpOverload, Callable[..., Any]]:

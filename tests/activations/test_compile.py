@@ -1,5 +1,9 @@
 """torch.compile traces the ops (no graph break) and matches eager, forward and backward."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -99,3 +103,33 @@ def test_compile_inference_inplace_and_integers():
     out, out_i = compiled(x, i)
     assert torch.equal(x, torch.relu(x_ref)) and torch.equal(out, torch.relu(x_ref) * 2)
     assert torch.equal(out_i, torch.relu(i))
+
+
+INDUCTOR_WITH_CI = """
+import sys, torch
+if {inductor_first}:
+    import torch._inductor.lowering
+import relu_ext
+assert {inductor_first} or "torch._inductor.lowering" not in sys.modules, "import relu_ext imported inductor"
+
+def fn(t, i):
+    relu_ext.relu(t, inplace=True)
+    return t * 2, relu_ext.relu(i), relu_ext.hardtanh(t, -1.0, 1.0)
+
+x, i = torch.randn(100), torch.randint(-5, 5, (100,), dtype=torch.int32)
+want = torch.relu(x) * 2, torch.relu(i), torch.nn.functional.hardtanh(torch.relu(x), -1.0, 1.0)
+out = torch.compile(fn, fullgraph=True, backend="inductor")(x.clone(), i)
+assert all(torch.equal(a, b) for a, b in zip(out, want)), out
+"""
+
+
+@pytest.mark.parametrize("inductor_first", [False, True])
+def test_inductor_runs_ops_that_have_a_decomposition_with_ci_set(tmp_path, inductor_first):
+    """With the CI environment variable set, inductor refuses an implicit fallback for an op that
+    has a decomposition (relu_ext registers its functional ops' for the exporters): relu_ext makes
+    those fallbacks itself, whether inductor is imported before or after it, and without importing
+    it. A fresh cache directory, so that no cached graph skips the lowering."""
+    env = {**os.environ, "CI": "true", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", INDUCTOR_WITH_CI.format(inductor_first=inductor_first)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]

@@ -1,7 +1,7 @@
 """Property-based fuzzing against PyTorch, torch.export, and concurrent use.
 
-The fuzz run is fixed-seed (derandomized): 2,000 examples in the full tier, 200 in the
-quick one; set RELU_EXT_FUZZ_EXAMPLES for a longer one.
+The fuzz run is fixed-seed (derandomized): 200 examples in the quick tier, and a second
+run of 2,000 in the full tier; set RELU_EXT_FUZZ_EXAMPLES for a longer one.
 """
 
 import math
@@ -14,12 +14,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import relu_ext
 from conftest import DTYPES, adversarial, assert_bitwise_equal
-from tiers import Tier
 
 pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
 
-# 2,000 in the full tier, 200 in the quick one.
-EXAMPLES = int(os.environ.get("RELU_EXT_FUZZ_EXAMPLES", "2000" if Tier.full else "200"))
+LONG_EXAMPLES = int(os.environ.get("RELU_EXT_FUZZ_EXAMPLES", "2000"))
+FUZZ = dict(derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @st.composite
@@ -53,10 +52,21 @@ def _twin(v: torch.Tensor) -> torch.Tensor:
     return t.set_(v.detach().untyped_storage().clone(), v.storage_offset(), v.size(), v.stride())
 
 
-@settings(max_examples=EXAMPLES, derandomize=True, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=200, **FUZZ)
 @given(views())
 def test_fuzz_against_pytorch(case):
+    _fuzz(case)
+
+
+@pytest.mark.full
+@settings(max_examples=LONG_EXAMPLES, **FUZZ)
+@given(views())
+def test_fuzz_against_pytorch_long(case):
+    _fuzz(case)
+
+
+def _fuzz(case: "tuple[torch.Tensor, bool]") -> None:
+    """relu_ext.relu and its gradient match PyTorch's on one drawn view, in place or not."""
     x, inplace = case
     want = torch.relu(x)
     assert_bitwise_equal(relu_ext.relu(x), want, "forward")

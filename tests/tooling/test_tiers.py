@@ -40,8 +40,11 @@ def test_the_quick_tier_is_bounded():
 
 @pytest.mark.full
 def test_the_quick_tier_keeps_every_test_function():
+    """... and `--rest` runs exactly what the full tier adds to it."""
     quick, full, full_only = _collected(), _collected("--full"), _collected("--full", "-m", "full")
+    rest = _collected("--rest")
     assert set(quick) < set(full)
+    assert set(quick) | set(rest) == set(full) and not set(quick) & set(rest)
     missing = _functions(full) - _functions(full_only) - _functions(quick)
     assert not missing, f"in the full tier only, without a `full` marker: {sorted(missing)}"
 
@@ -99,3 +102,36 @@ def test_covering_follows_the_quick_marker():
     # Unhashable values (a list in a table) count by identity.
     rows = [[1], [2]]
     assert len(tiers._covering(_items({"row": rows}))) == 2
+
+
+GROUPED = """
+import os, pytest
+
+@pytest.fixture(scope="session")
+def pid():
+    return os.getpid()
+
+@pytest.mark.xdist_group("g")
+@pytest.mark.parametrize("k", range(4))
+def test_grouped(pid, k, tmp_path_factory):
+    (tmp_path_factory.getbasetemp().parent.parent / f"pid-{pid}").touch()
+
+@pytest.mark.parametrize("k", range(8))
+def test_other(k):
+    pass
+"""
+
+
+def test_pytest_xdist_keeps_a_group_on_one_worker(tmp_path):
+    """`--dist loadgroup` sends the tests of one `xdist_group` to one worker, so a session fixture
+    behind them (the benchmark run in tests/tooling/test_bench.py) is made once. pytest-xdist 3.8
+    names the group in `item._nodeid`, which pytest 9.2 no longer reads: the Makefile pins a pair
+    that works."""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    (tmp_path / "base").mkdir()
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                          "loadgroup", "--basetemp", str(tmp_path / "base" / "t"), "test_grouped.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(list((tmp_path / "base").glob("pid-*"))) == 1, "the group's tests ran on more than one worker"
