@@ -12,6 +12,9 @@ Markers steer it:
 - `full`: the test (or one `pytest.param`) runs in the full tier only;
 - `quick(cover=(...))`: the parameters the quick tier covers for this test
   (default: all of them); `cover=()` runs one combination, the first;
+  `quick(..., rest=(...))`: the parameters `--rest` covers for it, where
+  every combination is too long for CI (a real-model matrix: each model
+  once); only `--full` then runs every combination;
 - `native`, `torch_version`: the risk a test checks, for the CI legs that
   run the full matrices of just those (see docs/testing.md).
 
@@ -34,7 +37,8 @@ import pytest
 
 MARKERS = {
     "full": "in the full tier only (pytest --full)",
-    "quick(cover)": "the parameters the quick tier covers: each value at least once (default: all)",
+    "quick(cover, rest)": "the parameters the quick tier (cover) and --rest (rest) cover: each value at least once "
+                          "(default: all; --rest: every combination)",
     "xdist_group(name)": "pytest-xdist --dist loadgroup runs the tests of one group in one worker",
     "native": "reaches relu_ext's native code: kernels, ops, compaction, replay (the sanitizer leg)",
     "torch_version": "depends on torch's version: registration, fake kernels, compilers, exporters, "
@@ -95,13 +99,14 @@ def _skipped_here(item: pytest.Item) -> bool:
     return any(bool(m.args) and m.args[0] is True for m in item.iter_markers("skipif"))
 
 
-def _covering(items: list[pytest.Item]) -> list[pytest.Item]:
+def _covering(items: list[pytest.Item], key: str = "cover") -> list[pytest.Item]:
     """A small subset of one test function's items that covers every parameter value (and every
-    pair of PAIRS) of the items that run here: greedy, each pick the item with the most not yet
+    pair of PAIRS) of the items that run here, of the parameters its `quick` marker names under
+    `key` (default: all): greedy, each pick the item with the most not yet
     covered (first in collection order on a tie), so the pick is the same in every process
     (pytest-xdist collects once per worker)."""
     mark = items[0].get_closest_marker("quick")
-    cover = mark.kwargs.get("cover") if mark is not None else None
+    cover = mark.kwargs.get(key) if mark is not None else None
     runs = [k for k, i in enumerate(items) if not _skipped_here(i)]
     want = {k: _values(items[k], cover) for k in runs}
     left = set().union(*want.values())
@@ -129,12 +134,26 @@ def _quick(config: pytest.Config, items: list[pytest.Item]) -> set[int]:
     return set(map(id, keep))
 
 
+def _rest(items: list[pytest.Item], quick: set[int]) -> set[int]:
+    """The ids of the items `--rest` runs: those the quick tier does not, except where a `quick`
+    marker names `rest=(...)`: there a covering of those parameters."""
+    groups: dict[str, list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        groups[item.nodeid.split("[")[0]].append(item)
+    kept: set[int] = set()
+    for group in groups.values():
+        mark = group[0].get_closest_marker("quick")
+        chosen = _covering(group, "rest") if mark is not None and "rest" in mark.kwargs else group
+        kept |= {id(i) for i in chosen if id(i) not in quick}
+    return kept
+
+
 def select(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Drops, in place, what this tier does not run, and reports it as deselected."""
     if config.getoption("full"):
         return
     quick = _quick(config, items)
-    kept = {id(i) for i in items if id(i) not in quick} if config.getoption("rest") else quick
+    kept = _rest(items, quick) if config.getoption("rest") else quick
     dropped = [i for i in items if id(i) not in kept]
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -62,7 +62,8 @@ def _step(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype, compact: 
     return train_step(model, x, _forward(dtype, compact)), [b.clone() for b in model.buffers()]
 
 
-@pytest.mark.quick(cover=("dtype", "layout"))  # the full tier runs every architecture
+# The quick tier: each dtype and layout; --rest (CI): each architecture too; --full: every combination.
+@pytest.mark.quick(cover=("dtype", "layout"), rest=("arch", "dtype", "layout"))
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("arch", list(ARCHS))
