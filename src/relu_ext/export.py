@@ -78,11 +78,14 @@ for _act in ACTIVATIONS:
 def _inductor_fallbacks(lowering: ModuleType) -> None:
     """Makes inductor's fallback for each op with a decomposition, with the layout constraint its
     implicit fallback would give (from the op's tags), unless something already lowers it."""
-    from torch._library.utils import get_layout_constraint_tag
+    from torch._library import utils
 
+    names = ("lowerings", "make_fallback", "tag_to_layout_constraint")
+    if not all(hasattr(lowering, n) for n in names) or not hasattr(utils, "get_layout_constraint_tag"):
+        return  # a torch without them: its own implicit fallback stands, rather than a failed inductor import
     for op in _DECOMPOSED:
         if op not in lowering.lowerings:
-            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            constraint = lowering.tag_to_layout_constraint(utils.get_layout_constraint_tag(op, with_default=True))
             lowering.make_fallback(op, constraint, warn=False)
 
 
