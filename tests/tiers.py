@@ -67,9 +67,17 @@ def configure(config: pytest.Config) -> None:
 
 
 def _full_for(config: pytest.Config, item: pytest.Item) -> bool:
-    """Whether `item` runs with its whole matrix in the quick tier of this session."""
+    """Whether `item` runs with its whole matrix in the quick tier of this session (`--full-marked`)."""
     mark = config.getoption("full_marked")
-    return config.getoption("full") or (mark is not None and item.get_closest_marker(mark) is not None)
+    return mark is not None and item.get_closest_marker(mark) is not None
+
+
+def _by_function(items: "Iterable[pytest.Item]") -> list[list[pytest.Item]]:
+    """`items` grouped by test function (node id less its parameters), in collection order."""
+    groups: dict[str, list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        groups[item.nodeid.split("[")[0]].append(item)
+    return list(groups.values())
 
 
 def _key(value: object) -> object:
@@ -122,14 +130,9 @@ def _covering(items: list[pytest.Item], key: str = "cover") -> list[pytest.Item]
 
 def _quick(config: pytest.Config, items: list[pytest.Item]) -> set[int]:
     """The ids of the items the quick tier (with `--full-marked`, if given) runs."""
-    keep: list[pytest.Item] = []
-    groups: dict[str, list[pytest.Item]] = defaultdict(list)
-    for item in items:
-        if _full_for(config, item):
-            keep.append(item)
-        elif item.get_closest_marker("full") is None:
-            groups[item.nodeid.split("[")[0]].append(item)
-    for group in groups.values():
+    keep = [i for i in items if _full_for(config, i)]
+    rest = [i for i in items if not _full_for(config, i) and i.get_closest_marker("full") is None]
+    for group in _by_function(rest):
         keep.extend(_covering(group))
     return set(map(id, keep))
 
@@ -137,11 +140,8 @@ def _quick(config: pytest.Config, items: list[pytest.Item]) -> set[int]:
 def _rest(items: list[pytest.Item], quick: set[int]) -> set[int]:
     """The ids of the items `--rest` runs: those the quick tier does not, except where a `quick`
     marker names `rest=(...)`: there a covering of those parameters."""
-    groups: dict[str, list[pytest.Item]] = defaultdict(list)
-    for item in items:
-        groups[item.nodeid.split("[")[0]].append(item)
     kept: set[int] = set()
-    for group in groups.values():
+    for group in _by_function(items):
         mark = group[0].get_closest_marker("quick")
         chosen = _covering(group, "rest") if mark is not None and "rest" in mark.kwargs else group
         kept |= {id(i) for i in chosen if id(i) not in quick}
