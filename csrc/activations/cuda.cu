@@ -3,7 +3,7 @@
 #include "activations/kernels.cuh"
 #include "core/cuda_launch.cuh"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 
 #include <c10/cuda/CUDAGuard.h>

@@ -16,7 +16,7 @@
 //     (inference mode, and aten ops called from inside __torch_dispatch__).
 // A tensor relu_ext does not take goes to the kernel that was there before,
 // looked up when installing, so it gets exactly what torch.relu gives it.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/SavedTensorHooks.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>

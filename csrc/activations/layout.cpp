@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/ExpandUtils.h>
 
 #include <numeric>

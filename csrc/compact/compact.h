@@ -1,7 +1,8 @@
 // save_compact's native side: compaction by a bitmap and the BatchNorm
-// replay. Their ops (schema and CPU / CUDA wrappers: ops.cpp; autograd
-// kernels: autograd.cpp) are called through the typed handles below; the
-// kernels are compact_cpu.cpp, replay_cpu.cpp and cuda.cu.
+// replay: the kernels (compact_cpu.cpp, replay_cpu.cpp and cuda.cu) that their
+// ops (schema and CPU / CUDA wrappers: ops.cpp; autograd kernels: autograd.cpp)
+// call. Light on purpose: cuda.cu includes it, and nvcc parses each header in
+// several passes, one of them per GPU architecture.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,38 +13,8 @@
 #include <tuple>
 
 #include "activations/activations.h"
-#include "core/checks.h"
 
 namespace relu_ext {
-
-using CompactFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
-using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef);
-using CheckedExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, bool);
-using CompactCountFn = at::Tensor(const at::Tensor&, const at::Tensor&);
-using CompactIntoFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using NonzeroMaskFn = at::Tensor(const at::Tensor&);
-using BinaryMaskFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&);
-using BnTermsFn = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                                     const at::Tensor&, const at::Tensor&, bool, double, at::ScalarType);
-using OptTensor = std::optional<at::Tensor>;
-using BnActVerifyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
-                                 at::ArrayRef<double>, const at::Tensor&, const OptTensor&, const OptTensor&,
-                                 const OptTensor&);
-using BnActRebuildFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
-                                  at::ArrayRef<double>, const OptTensor&, const OptTensor&, const OptTensor&);
-
-RELU_EXT_OP_HANDLE(compact_op, "compact", CompactFn)
-RELU_EXT_OP_HANDLE(compact_count_op, "compact_count", CompactCountFn)
-RELU_EXT_OP_HANDLE(compact_into_op, "compact_into", CompactIntoFn)
-RELU_EXT_OP_HANDLE(expand_op, "expand", CheckedExpandFn)
-RELU_EXT_OP_HANDLE(nonzero_mask_op, "nonzero_mask", NonzeroMaskFn)
-RELU_EXT_OP_HANDLE(binary_mask_op, "binary_mask", BinaryMaskFn)
-RELU_EXT_OP_HANDLE(binary_expand_op, "binary_expand", ExpandFn)
-RELU_EXT_OP_HANDLE(bn_terms_op, "bn_terms", BnTermsFn)
-RELU_EXT_OP_HANDLE(bn_act_verify_op, "bn_act_verify", BnActVerifyFn)
-RELU_EXT_OP_HANDLE(bn_act_rebuild_op, "bn_act_rebuild", BnActRebuildFn)
-
-
 
 // Compaction by a bitmap (compact_cpu.cpp), on dense tensors in memory order,
 // elements of 2, 4 or 8 bytes moved as integers. compact: the elements whose

@@ -18,7 +18,8 @@
 // table indexed by the mask bits (vpermd for 4- and 8-byte elements, pshufb
 // for 2-byte ones); the portable path does the rest of each chunk's work
 // where a vector would reach past its range (see the *_avx2 functions).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
 

@@ -4,7 +4,11 @@
 #include "compact/kernels.cuh"
 #include "core/cuda_launch.cuh"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 
 #include <c10/cuda/CUDAGuard.h>

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "core/bits.h"
+#include "core/checks.h"
 
 namespace relu_ext {
 

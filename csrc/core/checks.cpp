@@ -1,7 +1,7 @@
 // The checks both subsystems' ops make (checks.h).
 #include "core/checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace relu_ext {
 

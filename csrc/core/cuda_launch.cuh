@@ -10,7 +10,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -18,20 +17,9 @@
 
 namespace relu_ext {
 
-// Rows per warp and loop iteration when not set otherwise (set_cuda_unroll). 4:
-// more bytes in flight per thread is what lets the 16-bit forwards approach a
-// copy's bandwidth (docs/performance.md, "CUDA unroll").
-constexpr int kDefaultUnroll = 4;
-inline std::atomic<int> g_unroll{kDefaultUnroll};
-// Grid cap in waves (set_cuda_waves): 0, no cap (every block needed, each
-// warp one group of rows, as PyTorch launches); W, at most W waves of resident
-// blocks that grid-stride. 0 by default: the uncapped grids kept a higher DRAM
-// rate on the same bytes (docs/performance.md, "CUDA grid cap").
-inline std::atomic<int> g_waves{0};
-
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Blocks of kThreads for `threads_needed` threads, at most g_waves times as
+// Blocks of kThreads for `threads_needed` threads, at most cuda_waves() times as
 // many as fit on the current device at once (asked of the CUDA runtime once
 // per kernel and device: it depends on the kernel's registers); the
 // grid-stride loops do the rest. With 0 waves, only CUDA's grid limit caps it.
@@ -39,7 +27,7 @@ template <typename Kernel>
 inline unsigned int grid_for(Kernel kernel, int64_t threads_needed, int device) {
   constexpr int64_t kGridLimit = (int64_t(1) << 31) - 1;  // gridDim.x
   const int64_t blocks = std::max<int64_t>(1, (threads_needed + kThreads - 1) / kThreads);
-  const int waves = g_waves.load(std::memory_order_relaxed);
+  const int waves = cuda_waves();
   if (waves == 0) return static_cast<unsigned int>(std::min(blocks, kGridLimit));
   static std::mutex lock;
   static std::map<std::pair<const void*, int>, int64_t> fit;  // (kernel, device) -> blocks
@@ -64,7 +52,7 @@ inline unsigned int grid_for(Kernel kernel, int64_t threads_needed, int device) 
 // Calls fn(std::integral_constant<int, K>{}) for the unroll in use.
 template <typename Fn>
 void with_unroll(Fn&& fn) {
-  switch (g_unroll.load(std::memory_order_relaxed)) {
+  switch (cuda_unroll()) {
     case 1: fn(std::integral_constant<int, 1>{}); break;
     case 4: fn(std::integral_constant<int, 4>{}); break;
     default: fn(std::integral_constant<int, 2>{}); break;

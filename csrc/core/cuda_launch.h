@@ -1,5 +1,6 @@
 // The CUDA kernels' launch knobs, for tests and tuning (set from Python,
-// module.cpp); their use: cuda_launch.cuh.
+// module.cpp; kept in cuda_launch.cpp, a C++ file: nvcc would parse its
+// headers once per GPU architecture); their use: cuda_launch.cuh.
 #pragma once
 
 #include <cstdint>
@@ -7,11 +8,19 @@
 namespace relu_ext {
 
 #ifdef WITH_CUDA
+// Rows per warp and loop iteration when not set otherwise (set_cuda_unroll). 4:
+// more bytes in flight per thread is what lets the 16-bit forwards approach a
+// copy's bandwidth (docs/performance.md, "CUDA unroll").
+constexpr int kDefaultUnroll = 4;
 // Rows of 32 16-byte vectors a warp loads per loop iteration in the vector
 // kernels (1, 2 or 4; all three are compiled).
 int cuda_unroll();
 void set_cuda_unroll(int64_t rows);
-// Grid cap in waves of resident blocks (0: no cap).
+// Grid cap in waves of resident blocks (set_cuda_waves): 0, no cap (every
+// block needed, each warp one group of rows, as PyTorch launches); W, at most
+// W waves of resident blocks that grid-stride. 0 by default: the uncapped
+// grids kept a higher DRAM rate on the same bytes (docs/performance.md, "CUDA
+// grid cap").
 int cuda_waves();
 void set_cuda_waves(int64_t waves);
 #endif

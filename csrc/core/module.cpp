@@ -7,7 +7,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include "activations/autograd.h"
 #include "compact/compact.h"

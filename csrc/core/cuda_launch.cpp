@@ -1,9 +1,17 @@
 // The launch knobs' setters and getters (cuda_launch.h).
-#include "core/cuda_launch.cuh"
+#include "core/cuda_launch.h"
 
+#ifdef WITH_CUDA
 #include <c10/util/Exception.h>
 
+#include <atomic>
+
 namespace relu_ext {
+
+namespace {
+std::atomic<int> g_unroll{kDefaultUnroll};
+std::atomic<int> g_waves{0};
+}  // namespace
 
 int cuda_unroll() { return g_unroll.load(std::memory_order_relaxed); }
 
@@ -21,3 +29,4 @@ void set_cuda_waves(int64_t waves) {
 }
 
 }  // namespace relu_ext
+#endif
