@@ -35,7 +35,8 @@ DEPS_STAMP := $(VENV)/.deps-$(DEPS_HASH)
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*/*) $(wildcard src/relu_ext/*.py src/relu_ext/compact/*.py src/relu_ext/bench/*.py)
 
-.PHONY: test test-full test-rest test-sanitize test-torch-old test-package wheel bench bench-results build deps clean \
+.PHONY: test test-full test-rest test-sanitize test-torch-old test-package wheel bench bench-results build deps \
+	deps-torch-old clean \
 	distclean uninstall
 
 # The README's test command: the quick tier.
@@ -84,6 +85,7 @@ OLD_TORCHVISION ?= 0.26.0
 OLD_VENV ?= .venv-torch$(OLD_TORCH)
 OLD_PY := $(OLD_VENV)/bin/python
 OLD_STAMP := $(OLD_VENV)/.deps-$(DEPS_HASH)
+deps-torch-old: $(OLD_STAMP)
 $(OLD_STAMP):
 	$(PYTHON) -m venv $(OLD_VENV)
 	$(OLD_PY) -m pip install -q --upgrade pip setuptools wheel
