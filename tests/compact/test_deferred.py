@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import relu_ext
-from relu_ext.compact.deferred import Deferred
+from relu_ext.compact.deferred import CudaCopies, Deferred
 
 PACKAGE = Path(relu_ext.__file__).resolve().parent
 DEFERRED = PACKAGE / "compact" / "deferred.py"
@@ -35,6 +35,47 @@ def test_deferred_on_cuda_waits_for_its_event_only():
     d = Deferred(value)
     assert not d.done()  # returned at once, while the sleep runs
     assert d.ints() == [10, 12] and d.done()
+
+
+class _Recorder(CudaCopies):
+    """A stand-in for Deferred's CUDA calls that records the device and stream each used; a
+    stream is named by its device."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    def stream(self, device: torch.device) -> str:
+        return f"current stream of {device}"
+
+    def copy(self, value: torch.Tensor, stream: str) -> torch.Tensor:
+        self.calls.append(("copy", str(value.device), stream))
+        return torch.full(value.shape, 7, dtype=value.dtype)
+
+    def event(self, stream: str) -> "_Done":
+        self.calls.append(("event", stream))
+        return _Done()
+
+
+class _Done:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_deferred_copies_and_records_on_the_values_own_device_and_stream(monkeypatch: pytest.MonkeyPatch):
+    """With the value on cuda:1 while cuda:0 is current, the copy and the event after it are both on
+    cuda:1's current stream: an event on cuda:0's would not wait for the copy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recorder = _Recorder()
+    monkeypatch.setattr(Deferred, "cuda", recorder)
+    with FakeTensorMode():
+        value = torch.zeros(2, dtype=torch.int64, device="cuda:1")  # (a CUDA tensor without a GPU)
+    d = Deferred(value)
+    assert recorder.calls == [("copy", "cuda:1", "current stream of cuda:1"), ("event", "current stream of cuda:1")]
+    assert d.done() and d.ints() == [7, 7]
 
 
 class _Net(nn.Module):

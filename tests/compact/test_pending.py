@@ -17,7 +17,7 @@ from torch import nn
 
 import relu_ext
 from conftest import assert_same_step, train_step
-from relu_ext.compact import recipes
+from relu_ext.compact import hooks, recipes
 from relu_ext.compact.deferred import Deferred
 from test_deferred import _Net
 
@@ -25,16 +25,22 @@ pytestmark = pytest.mark.native  # the risk it checks: see tests/tiers.py
 
 
 class _Event:
-    """A stand-in for a CUDA event: complete once the test says so (``complete``) or once waited on."""
+    """A stand-in for a CUDA event: complete once the test says so (``complete``) or once waited on.
+    ``asked`` counts its queries and waits made while ``_Event.capturing`` (a CUDA graph's capture)."""
+
+    capturing = False
 
     def __init__(self, log: list[_Event]) -> None:
         self.complete = self.waited = False
+        self.asked = 0
         log.append(self)
 
     def query(self) -> bool:
+        self.asked += _Event.capturing
         return self.complete
 
     def synchronize(self) -> None:
+        self.asked += _Event.capturing
         self.waited = self.complete = True
 
 
@@ -327,6 +333,37 @@ def test_capture_in_a_cuda_graph_keeps_tensors_as_they_are():
     assert sc.compacted == 0 and sc.kept == 0 and not sc._packer.waiting
     graph.replay()
     assert torch.equal(out, model(x))
+
+
+def test_nothing_asks_the_device_under_cuda_graph_capture(events, monkeypatch):
+    """Checks made before a capture began (on the device) are pending while it runs: packs (of CPU
+    tensors too, past the budget too), unpacks and the block's exit query none of their events and
+    wait for none while capturing (either would end the capture in an error); they resolve after
+    it, and backward is exact. (Under capture, a CUDA tensor is kept as it is, and a CPU tensor's
+    checks are back at once: their stand-ins do not count.)"""
+    monkeypatch.setattr(hooks, "_capturing", lambda: _Event.capturing)
+    monkeypatch.setattr(_Event, "capturing", False)
+
+    before: list[_Event] = []
+
+    def step(model: nn.Module, sc: relu_ext.save_compact | None) -> list[torch.Tensor]:
+        with relu_ext.install(), sc or contextlib.nullcontext():
+            y = model.bn1(model.conv1(X)).relu()
+            if sc is not None:
+                assert sc._packer.waiting  # (the recipe's check)
+                before.extend(events)
+                _Event.capturing, sc._packer.budget = True, 0
+            loss = model.fc2(torch.relu(model.fc1(model.pool(y).flatten(1)))).square().mean()
+        loss.backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    sc = relu_ext.save_compact()
+    got = step(_model(), sc)
+    assert sum(e.asked for e in before) == 0 and any(not e.complete for e in before)
+    _Event.capturing = False
+    want = step(_model(), None)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sc.replayed == 1 and sc.compacted == 1  # (resolved once the capture is over)
 
 
 def test_changed_in_place_before_its_check_is_back(events):

@@ -28,6 +28,31 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
+class CudaCopies:
+    """How :class:`Deferred` sends a CUDA value to the host: a copy to pinned memory and an event after
+    it, both on the current stream of the value's own device. (``torch.cuda.Event().record()``
+    records on the current *device's* stream: with the value on ``cuda:1`` while ``cuda:0`` is
+    current, the event could complete before the copy, and a stale flag be read.) Tests put a
+    stand-in in ``Deferred.cuda`` that records the device and stream of each call."""
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream work on `device` runs on now (the forward's, in a pack hook)."""
+        return torch.cuda.current_stream(device)
+
+    def copy(self, value: Tensor, stream: torch.cuda.Stream) -> Tensor:
+        """`value` copied to pinned host memory on `stream`, without waiting."""
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(value, non_blocking=True)
+        return host
+
+    def event(self, stream: torch.cuda.Stream) -> Event:
+        """An event recorded on `stream` now: complete once what `stream` has queued is done."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+
 class Deferred:
     """A value on a tensor's device that the host reads later.
 
@@ -41,15 +66,14 @@ class Deferred:
     # Tests set this to make every Deferred wait on events of their own, on the CPU too, which
     # they complete when they choose (tests/compact/test_pending.py). None: CUDA events.
     stand_in: ClassVar[Callable[[], Event] | None] = None
+    cuda: ClassVar[CudaCopies] = CudaCopies()
 
     def __init__(self, value: Tensor) -> None:
         self._event: Event | None = None
         if value.device.type == "cuda":
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            host.copy_(value, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            self._host = host
+            stream = Deferred.cuda.stream(value.device)
+            self._host = Deferred.cuda.copy(value, stream)
+            self._event = Deferred.cuda.event(stream)
         else:
             self._host = value.detach()
         if Deferred.stand_in is not None:

@@ -224,7 +224,7 @@ class _Packer:
     def pack(self, t: Tensor) -> Any:
         """The pack hook: `t` in the form it is kept in until backward unpacks it. Under CUDA-graph
         capture, as it is: a check could not come back before the graph is replayed."""
-        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        if t.is_cuda and _capturing():
             return _Dense(t)
         self.poll()
         base = t._base
@@ -344,12 +344,14 @@ class _Packer:
         self.waiting.append(_Check(packed, check, t.nbytes))
         self.waiting_bytes += t.nbytes
         self.poll()
-        while self.waiting_bytes > self.budget:
+        while self.waiting_bytes > self.budget and not _capturing():
             self.resolve()
 
     def poll(self) -> None:
         """Resolve the checks that have come back, oldest first, without waiting: the first one that
-        has not stops the rest (a device's queue runs in order)."""
+        has not stops the rest (a device's queue runs in order). Not under CUDA-graph capture."""
+        if _capturing():
+            return
         while self.waiting and self.waiting[0].check.done():
             self.resolve()
         self._narrow(wait=False)
@@ -387,13 +389,16 @@ class _Packer:
             if ref() is not None:  # (the graph holds a detached copy's object, not this one)
                 self.stats.held_outside(nbytes)
         self.unmade.clear()
-        with torch.no_grad():
-            for packed in self.ints.values():
-                packed.measure()
-        self.narrowing.extend(self.ints.values())
+        # Under CUDA-graph capture the integer tensors stay as they are: their range would come back at
+        # the graph's replay.
+        if not _capturing():
+            with torch.no_grad():
+                for packed in self.ints.values():
+                    packed.measure()
+            self.narrowing.extend(self.ints.values())
+            self._narrow(wait=False)
         self.ints.clear()
         self.chains.clear()
-        self._narrow(wait=False)
 
     def _narrow(self, wait: bool) -> None:
         """Narrow the integer tensors whose range has come back (with `wait`, all of them)."""
@@ -403,6 +408,13 @@ class _Packer:
                 if packed.settle():
                     full = packed.narrow.numel() * packed.dtype.itemsize
                     self.stats.moved("not_activation", packed.kind, full, packed.nbytes)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph: then nothing may ask the device anything
+    or wait for it (an event query or synchronize would end the capture in an error), and no check
+    made now could come back before the graph is replayed."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class _Check:
