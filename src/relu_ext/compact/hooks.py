@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from collections import deque
 from typing import Any, Callable
@@ -19,10 +21,11 @@ from .recipes import _compacted, _concatenation, _pooled, _replayed
 from .stats import _Stats
 
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
-# Bytes of tensors held as they are while their form's check runs on the device; past this the pack
-# hook waits for the oldest check. A few layers' outputs at GPU sizes: enough for the device to stay
-# ahead of the host, small beside a step's activations.
-_WAITING_BYTES = 256 << 20
+# The default pending_bytes on a GPU, as a fraction of its memory: several layers' outputs at
+# training sizes (enough for the device to stay ahead of the host), small beside a step's
+# activations. On the CPU checks are back at once; only tests' stand-in events wait there.
+_PENDING_SHARE = 32
+_CPU_PENDING_BYTES = 256 << 20
 
 
 class save_compact(torch.autograd.graph.saved_tensors_hooks):
@@ -62,6 +65,12 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         recompute (bool): keep activation outputs after a BatchNorm as
             recipes, concatenations in pieces, max-pool outputs as their
             input at their indices. Default: ``True``.
+        pending_bytes (int, optional): the most bytes of tensors held as
+            they are while their forms' checks run on the device (see
+            docs/save_compact.md); past it a pack waits for the oldest
+            check, never for the one it just queued. Default: ``None``,
+            1/32 of the GPU's memory (256 MiB on the CPU, where checks are
+            back at once).
 
     Example::
 
@@ -81,13 +90,16 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     (The ReLU's output, saved by its node and by the second Linear, is compacted once.)
     """
 
-    def __init__(self, min_saving: float = 0.1, recompute: bool = True) -> None:
+    def __init__(self, min_saving: float = 0.1, recompute: bool = True, pending_bytes: int | None = None) -> None:
         if not 0.0 <= min_saving < 1.0:
             raise ValueError(f"relu_ext.save_compact: min_saving must be in [0, 1), got {min_saving}")
+        if pending_bytes is not None and (isinstance(pending_bytes, bool) or not isinstance(pending_bytes, int)
+                                          or pending_bytes < 0):
+            raise ValueError(f"relu_ext.save_compact: pending_bytes must be None or an int >= 0, got {pending_bytes!r}")
         self.min_saving = min_saving
         self.recompute = bool(recompute)
         self._stats = _Stats()
-        self._packer = _Packer(min_saving, self.recompute, self._stats)
+        self._packer = _Packer(min_saving, self.recompute, self._stats, pending_bytes)
         super().__init__(self._packer.pack, self._packer.unpack)
 
     def __enter__(self) -> save_compact:
@@ -176,13 +188,15 @@ def _unpack_hook(packer: weakref.ref) -> Callable[[Any], Tensor]:
     """An unpack hook of a context's own: the graph holds it and recipes tell this context's saved forms
     by it (``SavedTensor.unpack_hook is``), so each context has one, and it holds its packer weakly
     (the graph would otherwise keep the packer's state alive): each unpack resolves the checks that
-    have come back (_Packer.poll)."""
+    have come back (_Packer.poll), under the packer's lock: backward unpacks on a thread per device."""
 
     def unpack(packed: Any) -> Tensor:
         owner = packer()
-        if owner is not None:
+        if owner is None:
+            return packed.restore()
+        with owner.lock:
             owner.poll()
-        return packed.restore()
+            return packed.restore()
 
     return unpack
 
@@ -191,8 +205,12 @@ class _Packer:
     """A save_compact's pack hook (``pack``), its unpack hook (``unpack``), and what the pack hook keeps
     between calls; ``exit()`` when the context exits."""
 
-    def __init__(self, min_saving: float, recompute: bool, stats: _Stats) -> None:
+    def __init__(self, min_saving: float, recompute: bool, stats: _Stats, budget: int | None = None) -> None:
         self.min_saving, self.recompute, self.stats = min_saving, recompute, stats
+        # Held by every entry point (pack, unpack, exit, settle): autograd's engine runs backward, so
+        # the unpack hooks, on a thread per device, and a form's fields and the queues below are
+        # read and changed together. Reentrant: a rebuild may read other forms.
+        self.lock = threading.RLock()
         self.unpack = _unpack_hook(weakref.ref(self))
         # Saved by several nodes (a ReLU output and the conv after it), a tensor
         # is compacted once. Keyed by the tensor itself, weakly: data pointers
@@ -214,7 +232,7 @@ class _Packer:
         # until then, and those bytes in all.
         self.waiting: deque[_Check] = deque()
         self.waiting_bytes = 0
-        self.budget = _WAITING_BYTES
+        self.budget = budget  # (None: by device, _pending_bytes)
         # Narrowed tensors whose range is on its way (after the exit), oldest first.
         self.narrowing: deque[Narrowed] = deque()
         # Tensors saved as they are that no node made and nothing marks as held elsewhere (buffers,
@@ -226,6 +244,11 @@ class _Packer:
         capture, as it is: a check could not come back before the graph is replayed."""
         if t.is_cuda and _capturing():
             return _Dense(t)
+        with self.lock:
+            return self._pack_view(t)
+
+    def _pack_view(self, t: Tensor) -> Any:
+        """pack(), under the lock: a view saved as its base where it stands for it."""
         self.poll()
         base = t._base
         if base is not None and _alias(t, base):
@@ -339,12 +362,15 @@ class _Packer:
 
     def _hold(self, packed: _Shared, t: Tensor, check: Deferred) -> None:
         """Let `packed` stand for `t` as `t` itself until `check` comes back; past the budget of bytes
-        held so, wait for the oldest such check (not for the device's whole queue)."""
+        held so, wait for the oldest such checks, never for this one (waiting for the newest work
+        would drain the device's whole queue: a synchronization)."""
         packed.hold(t)
-        self.waiting.append(_Check(packed, check, t.nbytes))
+        newest = _Check(packed, check, t.nbytes)
+        self.waiting.append(newest)
         self.waiting_bytes += t.nbytes
         self.poll()
-        while self.waiting_bytes > self.budget and not _capturing():
+        budget = self.budget if self.budget is not None else _pending_bytes(t.device)
+        while self.waiting_bytes > budget and self.waiting and self.waiting[0] is not newest and not _capturing():
             self.resolve()
 
     def poll(self) -> None:
@@ -376,14 +402,20 @@ class _Packer:
 
     def settle(self) -> None:
         """Wait for every check held, and for the narrowed tensors' ranges (before counts are read)."""
-        while self.waiting:
-            self.resolve()
-        self._narrow(wait=True)
+        with self.lock:
+            while self.waiting:
+                self.resolve()
+            self._narrow(wait=True)
 
     def exit(self) -> None:
         """When the context exits: resolve what has come back; count what is held outside the graph; start
         narrowing the integer tensors only the graph holds now (their ranges read later, see _narrow);
         forget the chains."""
+        with self.lock:
+            self._exit()
+
+    def _exit(self) -> None:
+        """exit(), under the lock."""
         self.poll()
         for ref, nbytes in self.unmade:
             if ref() is not None:  # (the graph holds a detached copy's object, not this one)
@@ -408,6 +440,14 @@ class _Packer:
                 if packed.settle():
                     full = packed.narrow.numel() * packed.dtype.itemsize
                     self.stats.moved("not_activation", packed.kind, full, packed.nbytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _pending_bytes(device: torch.device) -> int:
+    """save_compact's default pending_bytes for tensors on `device`."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // _PENDING_SHARE
+    return _CPU_PENDING_BYTES
 
 
 def _capturing() -> bool:
