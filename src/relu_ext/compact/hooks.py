@@ -31,33 +31,28 @@ _CPU_PENDING_BYTES = 256 << 20
 class save_compact(torch.autograd.graph.saved_tensors_hooks):
     """Keep activation outputs saved for backward small: rebuilt from their BatchNorm, or compacted; bit for bit.
 
-    Saved-tensor hooks, like :class:`torch.autograd.graph.save_on_cpu`: put it
-    around the forward pass of a training step. An output of ReLU or the family
-    (PyTorch's or relu_ext's) that some node saves is kept once, however many
-    nodes save it: *replayed* where its input is a BatchNorm output (CPU or
-    CUDA): a reference to the BatchNorm's input, which its node keeps anyway,
-    and a few numbers per channel, verified bit for bit when saved and rebuilt
-    in backward; else *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with
-    ``min_val=0``, Threshold with ``value=0``, Hardsigmoid): nonzero values
-    plus a bitmap. A concatenation that begins with the previous one kept
-    (DenseNet's) is kept as its pieces plus what it adds (*concatenated*,
-    with recompute), a max-pool output as the pool's input at its indices
-    (*pooled*, with recompute), an integer tensor only the graph holds (max-pool
-    indices) in the narrowest type that holds it (*narrowed*, at the exit), and
-    one of +0 and one other value that no node made (dropout's noise, a bool
-    tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives
+    Saved-tensor hooks, like :class:`torch.autograd.graph.save_on_cpu`: put it around the forward
+    pass of a training step. An output of ReLU or the family (PyTorch's or relu_ext's) that some
+    node saves is kept once, however many nodes save it: *replayed* where its input is a BatchNorm
+    output (CPU or CUDA): a reference to the BatchNorm's input, which its node keeps anyway, and a
+    few numbers per channel, verified bit for bit when saved and rebuilt in backward; else
+    *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with ``min_val=0``, Threshold with
+    ``value=0``, Hardsigmoid): nonzero values plus a bitmap. A concatenation that begins with the
+    previous one kept (DenseNet's) is kept as its pieces plus what it adds (*concatenated*, with
+    recompute), a max-pool output as the pool's input at its indices (*pooled*, with recompute), an
+    integer tensor only the graph holds (max-pool indices) in the narrowest type that holds it
+    (*narrowed*, at the exit), and one of +0 and one other value that no node made (dropout's noise,
+    a bool tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives
     backward the values it had then or PyTorch's in-place error, never new data.
 
-    ``with`` gives the context, which counts what its hooks did (over all its
-    blocks; each distinct tensor once): ``replayed``, ``replay_misses`` (recipes
-    that failed their check; then compacted or kept), ``compacted``,
-    ``concatenated``, ``pooled``, ``narrowed``, ``two_valued``, ``kept``
-    and ``kept_by_reason`` (``not_activation``, ``not_replayed``, ``too_small``
-    (under 4096 elements), ``too_few_zeros``, ``unsupported``),
-    ``bytes_saved_for_backward`` (what the graph would hold without the hooks),
-    ``bytes_held`` (what it holds with them; a relu_ext mask or a BatchNorm
-    input held anyway is not counted), ``report()`` in words (what is held
-    outside the graph apart) and ``repr()``. Details: docs/save_compact.md.
+    ``with`` gives the context, which counts what its hooks did (over all its blocks; each distinct
+    tensor once): ``replayed``, ``replay_misses`` (recipes that failed their check; then compacted
+    or kept), ``compacted``, ``concatenated``, ``pooled``, ``narrowed``, ``two_valued``, ``kept``
+    and ``kept_by_reason`` (``not_activation``, ``not_replayed``, ``too_small`` (under 4096
+    elements), ``too_few_zeros``, ``unsupported``), ``bytes_saved_for_backward`` (what the graph
+    would hold without the hooks), ``bytes_held`` (what it holds with them; a relu_ext mask or a
+    BatchNorm input held anyway is not counted), ``report()`` in words (what is held outside the
+    graph apart) and ``repr()``. Details: docs/save_compact.md.
 
     Args:
         min_saving (float): compact a tensor only if that saves at least this
@@ -65,12 +60,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
         recompute (bool): keep activation outputs after a BatchNorm as
             recipes, concatenations in pieces, max-pool outputs as their
             input at their indices. Default: ``True``.
-        pending_bytes (int, optional): the most bytes of tensors held as
-            they are while their forms' checks run on the device (see
-            docs/save_compact.md); past it a pack waits for the oldest
-            check, never for the one it just queued. Default: ``None``,
-            1/32 of the GPU's memory (256 MiB on the CPU, where checks are
-            back at once).
+        pending_bytes (int, optional): bytes held as they are while checks run on the device
+            (docs/save_compact.md). Default: ``None``, 1/32 of the GPU's memory.
 
     Example::
 
