@@ -744,22 +744,29 @@ def test_training_step_is_bitwise_the_same(act, dtype):
 
 
 def test_relu_output_changed_in_place_after_save():
-    """Compacted: backward sees the values of the forward that ran. Saved as it is: PyTorch's error."""
+    """Compacted and changed in place: PyTorch's error while the tensor lives; changed and then freed
+    (the one change it cannot see), backward gets the forward's values. Saved as it is: PyTorch's error."""
     w = torch.randn(8192, requires_grad=True)
     x = torch.randn(8192)
 
-    def run(change: bool) -> torch.Tensor:
+    def run(change: bool, free: bool = True) -> torch.Tensor:
         w.grad = None
-        with relu_ext.save_compact():
+        with relu_ext.save_compact() as sc:
             y = torch.relu(x.clone().requires_grad_() * 1)
             z = (y * w).sum()
         if change:
             with torch.no_grad():
                 y.add_(1.0)
+        if free:
+            del y
+        assert sc.compacted == 1
         z.backward()
         return w.grad.clone()
 
     assert_bitwise_equal(run(True), run(False))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(True, free=False)
+    assert_bitwise_equal(run(False, free=False), run(False))
     v = torch.randn(64, requires_grad=True)
     with relu_ext.save_compact():
         s = torch.sigmoid(v * 1)

@@ -22,7 +22,7 @@ from torch import nn
 
 import relu_ext
 from conftest import assert_same_step, train_step
-from relu_ext.compact import hooks, recipes
+from relu_ext.compact import forms, hooks, recipes, streams
 from relu_ext.compact.deferred import Deferred
 from test_deferred import _Net
 
@@ -469,6 +469,119 @@ def test_changed_in_place_before_its_check_is_back(events):
     assert sc.compacted == 0 and sc.kept_by_reason["unsupported"] == 1
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def _forms_made(monkeypatch: pytest.MonkeyPatch, hold: bool = True) -> list[tuple[torch.Tensor | None, forms._Shared]]:
+    """Every form made from now on, with the tensor it stands for where `hold` (which keeps it alive)."""
+    made: list[tuple[torch.Tensor | None, forms._Shared]] = []
+    init = forms._Shared.__init__
+
+    def spy(self, t, *args, **kwargs):
+        made.append((t if hold else None, self))
+        init(self, t, *args, **kwargs)
+
+    monkeypatch.setattr(forms._Shared, "__init__", spy)
+    return made
+
+
+@pytest.mark.parametrize("then", ["alive", "freed"])
+@pytest.mark.parametrize("back", ["pending", "back", "changed_then_back"])
+@pytest.mark.parametrize("kind", ["compacted", "replayed", "pooled", "concatenated", "two_valued"])
+def test_changed_in_place_after_the_forward(events, monkeypatch, kind, back, then):
+    """A saved tensor kept in a form, changed in place after the forward. While it lives, backward raises
+    PyTorch's in-place error whether or not its check has come back (until then the form holds the
+    tensor itself, and keeps it where it changed meanwhile; after, it stands for it weakly, with its
+    version). Changed and then freed once the check is back, the one change it cannot see: backward
+    gets the forward's values, never new ones."""
+    sc = relu_ext.save_compact()
+    packer = sc._packer
+    formed = _forms_made(monkeypatch)
+    model = _model()
+    torch.manual_seed(1)
+    with relu_ext.install(), sc:
+        loss = model(X).float().square().mean()
+    t, form = next((t, p) for t, p in formed if p.kind == kind and t is not X  # (X: no noise)
+                   and (kind != "concatenated" or len(p.pieces) > 1))  # (the first of a chain holds the tensor)
+    formed.clear()
+    if back == "back":
+        _come_back(events, packer)
+    assert (form.whole is None) == (back == "back")
+    with torch.no_grad():
+        t.add_(1)
+    if back == "changed_then_back":
+        _come_back(events, packer)
+        assert form.whole is not None
+    if then == "freed":
+        alive = weakref.ref(t)
+        del t
+        assert alive() is None
+    if then == "alive" or back != "back":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        return
+    loss.backward()
+    assert_same_step((loss.detach(), [p.grad for p in model.parameters()]), _reference())
+
+
+class _Streams(streams.Streams):
+    """Streams named on the CPU: ``current`` is the one work runs on now. Records the work run on a
+    form's stream (``ran``: the caller and the stream), the waits of one stream for another
+    (``waits``), and the tensors marked as in use on the waiting stream (``marked``, ids)."""
+
+    def __init__(self) -> None:
+        self.current = "forward"
+        self.ran: list[tuple[str, str]] = []
+        self.waits: list[tuple[str, str]] = []
+        self.marked: set[int] = set()
+
+    def of(self, t: torch.Tensor) -> str:
+        return self.current
+
+    def on(self, stream: str) -> contextlib.AbstractContextManager:
+        self.ran.append((sys._getframe(1).f_code.co_name, stream))
+        return self._switched(stream)
+
+    @contextlib.contextmanager
+    def _switched(self, stream: str) -> Iterator[None]:
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def after(self, stream: str, tensors) -> None:
+        if stream != self.current:
+            self.waits.append((self.current, stream))
+            self.marked.update(id(t) for t in tensors)
+
+
+def test_forms_are_filled_on_their_stream_and_read_after_it(events, monkeypatch):
+    """On CUDA a form is made on the forward's stream, and its checks may come back, and backward run,
+    on another. With streams named on the CPU: the work that fills a form later (a compaction once
+    its count is back, an integer tensor's range and narrowing) runs on the form's stream, and each
+    rebuild on another stream first waits for the form's and marks what it reads as in use there."""
+    named = _Streams()
+    monkeypatch.setattr(forms, "STREAMS", named)
+    made = _forms_made(monkeypatch, hold=False)
+    model = _model()
+    torch.manual_seed(1)
+    with relu_ext.install(), relu_ext.save_compact() as sc:
+        loss = model(X).float().square().mean()
+    named.current = "backward"
+    _come_back(events, sc._packer)
+    sc._packer.settle()
+    loss.backward()
+    assert_same_step((loss.detach(), [p.grad for p in model.parameters()]), _reference())
+    made_forms = [f for _, f in made]
+    assert {f.kind for f in made_forms} >= {"compacted", "replayed", "pooled", "concatenated", "narrowed", "two_valued"}
+    assert all(f.stream == "forward" for f in made_forms)
+    assert {caller for caller, _ in named.ran} == {"checked", "measure", "settle"}
+    assert {stream for _, stream in named.ran} == {"forward"}
+    assert named.waits and set(named.waits) == {("backward", "forward")}
+    rebuilt = [f for f in made_forms  # (a Narrowed form not narrowed holds the tensor: nothing to rebuild)
+               if f.whole is None and (f.kind != "narrowed" or f.narrow is not None)]
+    assert {f.kind for f in rebuilt} >= {"compacted", "replayed", "pooled", "concatenated", "narrowed", "two_valued"}
+    assert {id(t) for f in rebuilt for t in f._reads()} <= named.marked
 
 
 def test_a_late_miss_of_the_nodes_mask_compacts_with_a_bitmap(events):

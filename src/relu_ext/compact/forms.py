@@ -18,6 +18,7 @@ from torch import Tensor
 from .bits import _bool_bits, _bools_of, _same_bits_later
 from .deferred import Deferred
 from .graph import _inputs
+from .streams import STREAMS
 
 _ops = torch.ops.relu_ext
 
@@ -45,18 +46,34 @@ class _Shared:
     host (see hooks._Packer.resolve): then it drops the tensor, or, where the
     check failed, keeps it and is the tensor as it is from then on. Until then
     it is that tensor too: an unpack returns it, exactly, without waiting.
+
+    It stands for the tensor at its version when saved (``saved``, weakly): while the tensor lives, a
+    change in place since makes backward raise PyTorch's in-place error, as without hooks, whether or
+    not the check has come back. Changed and then freed after the check came back, the change cannot
+    be seen (its version counter went with it): backward gets the forward's values.
+
+    It is made on the stream the forward runs on (``stream``; None off CUDA), which the work that
+    fills it runs on too, and which a read on another stream waits for (see streams.py).
     """
 
-    __slots__ = ("pending", "restored", "nbytes", "depth", "whole", "__weakref__")
+    __slots__ = ("pending", "restored", "nbytes", "depth", "whole", "saved", "saved_version", "stream",
+                 "__weakref__")
     kind: ClassVar[str]  # what save_compact counts it as (a key of stats._KINDS)
     missed_as: ClassVar[str] = "not_activation"  # why a tensor whose check failed is counted as kept
 
-    def __init__(self, nbytes: int, depth: int = 1) -> None:
+    def __init__(self, t: Tensor, nbytes: int, depth: int = 1) -> None:
         self.nbytes = nbytes  # what it adds to the graph
         self.depth = depth  # passes over a tensor that rebuild() makes
         self.pending = 0  # nodes that saved this and have not unpacked it yet
         self.restored: Tensor | None = None
         self.whole: _Dense | None = None  # the tensor itself, while the check runs or after it failed
+        self.saved, self.saved_version = weakref.ref(t), t._version
+        self.stream = STREAMS.of(t)
+
+    def unchanged(self) -> bool:
+        """Whether the tensor this stands for is gone, or at the version it was saved at."""
+        t = self.saved()
+        return t is None or t._version == self.saved_version
 
     def hold(self, t: Tensor) -> None:
         """Stand for `t` as `t` itself until resolved()."""
@@ -76,8 +93,9 @@ class _Shared:
         raise NotImplementedError
 
     def fresh(self) -> bool:
-        """Whether current() would succeed: the tensor held is unchanged, or what rebuild() reads."""
-        return self.whole.unchanged() if self.whole is not None else self._fresh()
+        """Whether current() would succeed: the tensor held is unchanged, or the tensor this stands for
+        and what rebuild() reads are."""
+        return self.whole.unchanged() if self.whole is not None else self.unchanged() and self._fresh()
 
     def _fresh(self) -> bool:
         """fresh() of the form itself (no tensor held)."""
@@ -88,7 +106,14 @@ class _Shared:
         and with `keep`, kept for the pending unpacks (those of a backward that is about to need it)."""
         if self.restored is not None:
             return self.restored
-        t = self.whole.restore() if self.whole is not None else self.rebuild()
+        if self.whole is not None:
+            t = self.whole.restore()
+        else:
+            t = self.saved()
+            if t is not None:
+                _check_version(t, self.saved_version, "relu_ext.save_compact rebuilds it for backward")
+            STREAMS.after(self.stream, self._reads())
+            t = self.rebuild()
         if keep and self.pending > 0:
             self.restored = t
         return t
@@ -96,7 +121,10 @@ class _Shared:
     def live(self) -> Tensor:
         """The saved tensor while packing, to verify a recipe that reads this with: what is held
         now, else rebuilt from what its sources hold now; nothing is kept for backward."""
-        return self.whole.restore() if self.whole is not None else self._live()
+        if self.whole is not None:
+            return self.whole.restore()
+        STREAMS.after(self.stream, self._reads())
+        return self._live()
 
     def _live(self) -> Tensor:
         """live() of the form itself (no tensor held)."""
@@ -126,6 +154,10 @@ class _Shared:
     def _held(self) -> tuple[Tensor, ...]:
         raise NotImplementedError
 
+    def _reads(self) -> tuple[Tensor, ...]:
+        """The tensors rebuild() reads itself (a source's form orders its own reads)."""
+        return self._held()
+
 
 class Compacted(_Shared):
     """A saved tensor as its kept elements and a bitmap of where they are: the bitmap of its nonzero
@@ -136,19 +168,19 @@ class Compacted(_Shared):
     the node's mask, whether it restores the tensor (not where the tensor holds -0.0, or changed
     after the node), else the nonzero bitmap's count again."""
 
-    __slots__ = ("values", "mask", "shared", "ends", "limit", "size", "stride", "stream")
+    __slots__ = ("values", "mask", "shared", "ends", "limit", "size", "stride")
     kind = "compacted"
     missed_as = "unsupported"  # (changed in place before it was compacted)
 
-    def __init__(self, y: Tensor, mask: Tensor | None, limit: float) -> None:
-        super().__init__(0)
+    def __init__(self, t: Tensor, mask: Tensor | None, limit: float) -> None:
+        super().__init__(t, 0)
+        y = t.detach()
         self.shared = mask is not None
         self.mask = mask if mask is not None else _ops.nonzero_mask(y)
         self.limit = limit  # the most bytes it may hold
         self.values: Tensor | None = None
         self.ends: Tensor | None = _ops.compact_count(y, self.mask)
         self.size, self.stride = y.size(), y.stride()
-        self.stream = torch.cuda.current_stream(y.device) if y.is_cuda else None
 
     def counted(self) -> Deferred:
         """The first step's check: the number of kept elements."""
@@ -158,9 +190,7 @@ class Compacted(_Shared):
     def checked(self, check: Deferred) -> bool | str | Deferred:
         """The next step once `check` is back (see _Shared.checked), compacting the tensor held, on the
         stream it was packed on (which made it)."""
-        if self.stream is None:
-            return self._step(check)
-        with torch.cuda.stream(self.stream):
+        with STREAMS.on(self.stream):
             return self._step(check)
 
     def _step(self, check: Deferred) -> bool | str | Deferred:
@@ -230,10 +260,10 @@ class Replayed(_Shared):
     kind = "replayed"
     missed_as = "not_replayed"
 
-    def __init__(self, x: Tensor | _Shared, alpha: Tensor, beta: Tensor, act: str, args: list[float],
+    def __init__(self, t: Tensor, x: Tensor | _Shared, alpha: Tensor, beta: Tensor, act: str, args: list[float],
                  second: tuple[Tensor | _Shared, Tensor, Tensor] | None = None) -> None:
         x2, alpha2, beta2 = second if second is not None else (None, None, None)
-        super().__init__(sum(t.nbytes for t in (alpha, beta, alpha2, beta2) if t is not None),
+        super().__init__(t, sum(t.nbytes for t in (alpha, beta, alpha2, beta2) if t is not None),
                          1 + sum(s.depth for s in (x, x2) if isinstance(s, _Shared)))
         self.x, self.alpha, self.beta, self.act, self.args = x, alpha, beta, act, args
         self.x2, self.alpha2, self.beta2 = x2, alpha2, beta2
@@ -286,6 +316,10 @@ class Replayed(_Shared):
         """The tensors this keeps alive beyond what the graph holds anyway (for memory accounting)."""
         return tuple(t for t in (self.alpha, self.beta, self.alpha2, self.beta2) if t is not None)
 
+    def _reads(self) -> tuple[Tensor, ...]:
+        """The tensors rebuild() reads itself: its terms, and its sources that are tensors."""
+        return self._held() + tuple(s for s in (self.x, self.x2) if isinstance(s, Tensor))
+
 
 class Concatenated(_Shared):
     """A saved concatenation (DenseNet's ``torch.cat`` of a block's features, saved by the next
@@ -293,18 +327,17 @@ class Concatenated(_Shared):
     it begins with (shared, not copied), and a copy of what it adds. The first of a chain is kept
     as it is. Rebuilt in backward in one pass; a chain of n holds one concatenation's bytes, not n."""
 
-    __slots__ = ("pieces", "version", "dim", "inputs", "size", "stride", "source", "source_version")
+    __slots__ = ("pieces", "version", "dim", "inputs", "size", "stride")
     kind = "concatenated"
 
     def __init__(self, t: Tensor, dim: int, prev: Concatenated | None) -> None:
         # Detached: the same data and version counter, without the grad_fn (see _Dense).
         start = 0 if prev is None else prev.size[dim]
         piece = t.detach() if prev is None else t.narrow(dim, start, t.shape[dim] - start).clone()
-        super().__init__(0 if prev is None else piece.nbytes)
+        super().__init__(t, 0 if prev is None else piece.nbytes)
         self.pieces = (piece,) if prev is None else (*prev.pieces, piece)
         self.version = t._version if prev is None else prev.version  # (of the first piece, the tensor itself)
         self.dim, self.inputs, self.size, self.stride = dim, _inputs(t), t.size(), t.stride()
-        self.source, self.source_version = weakref.ref(t), t._version  # (verified equal to this, see live())
 
     def extends(self, t: Tensor, dim: int) -> Tensor | None:
         """Whether `t` begins with this concatenation: None where its inputs (nodes) do not begin
@@ -337,9 +370,10 @@ class Concatenated(_Shared):
         return self.pieces[0]._version == self.version
 
     def _live(self) -> Tensor:
-        """The saved tensor: the concatenation itself while it is alive and unchanged, else rebuilt."""
-        t = self.source()
-        return t if t is not None and t._version == self.source_version else self.rebuild()
+        """The saved tensor: the concatenation itself (verified equal to this) while it is alive and
+        unchanged, else rebuilt."""
+        t = self.saved()
+        return t if t is not None and t._version == self.saved_version else self.rebuild()
 
     def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting; the pieces are shared along a chain)."""
@@ -363,7 +397,7 @@ class Narrowed(_Shared):
     kind = "narrowed"
 
     def __init__(self, t: Tensor) -> None:
-        super().__init__(t.nbytes)
+        super().__init__(t, t.nbytes)
         self.tensor: Tensor | None = t
         self.version, self.dtype, self.narrow = t._version, t.dtype, None
         self.range: Deferred | None = None
@@ -371,7 +405,8 @@ class Narrowed(_Shared):
     def measure(self) -> None:
         """Start reading the tensor's smallest and largest value (see settle)."""
         if self.tensor is not None and self.tensor._version == self.version:
-            self.range = Deferred(torch.stack(torch.aminmax(self.tensor)))
+            with STREAMS.on(self.stream):
+                self.range = Deferred(torch.stack(torch.aminmax(self.tensor)))
 
     def measured(self) -> bool:
         """Whether settle() would not wait: the range is back, or none was measured."""
@@ -388,7 +423,8 @@ class Narrowed(_Shared):
         fits = [d for d in _NARROWER if torch.iinfo(d).bits < bits and torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
         if not fits:
             return False
-        narrow = t.to(fits[0])  # (preserve_format: a dense tensor keeps its strides)
+        with STREAMS.on(self.stream):
+            narrow = t.to(fits[0])  # (preserve_format: a dense tensor keeps its strides)
         alive = weakref.ref(t)
         self.tensor = t = None
         self.tensor = alive()  # (a tensor held elsewhere, in Python or C++, keeps its Python object alive)
@@ -425,17 +461,15 @@ class TwoValued(_Shared):
     no pattern to keep: bits packed and unpacked with PyTorch's own ops (_bool_bits), so no host sync.
 
     Made when the tensor is saved, so the tensor is freed as soon as nothing else holds it (the
-    step's peak falls too); where something does, the bitmap adds 1/32 of its bytes (float32). A
-    weak reference tells whether it lives on: changed in place since, backward raises PyTorch's
-    in-place error, as it would without the hooks."""
+    step's peak falls too); where something does, the bitmap adds 1/32 of its bytes (float32)
+    (changed in place since: see _Shared.saw)."""
 
-    __slots__ = ("mask", "value", "size", "stride", "ref", "version")
+    __slots__ = ("mask", "value", "size", "stride")
     kind = "two_valued"
 
     def __init__(self, mask: Tensor, value: Tensor | None, t: Tensor) -> None:
-        super().__init__(mask.nbytes + (0 if value is None else value.nbytes))
+        super().__init__(t, mask.nbytes + (0 if value is None else value.nbytes))
         self.mask, self.value, self.size, self.stride = mask, value, t.size(), t.stride()
-        self.ref, self.version = weakref.ref(t), t._version
 
     @staticmethod
     def of(t: Tensor) -> tuple[TwoValued | None, Deferred | None]:
@@ -452,17 +486,9 @@ class TwoValued(_Shared):
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
-        t = self.ref()
-        if t is not None:
-            _check_version(t, self.version, "checked by relu_ext.save_compact, which saved it as a bitmap")
         if self.value is None:
             return _bools_of(self.mask, self.size, self.stride)
         return _ops.binary_expand(self.mask, self.value, self.size, self.stride)
-
-    def _fresh(self) -> bool:
-        """Whether rebuild() would succeed: the tensor is gone, or at the version it had."""
-        t = self.ref()
-        return t is None or t._version == self.version
 
     def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
@@ -479,7 +505,7 @@ class Pooled(_Shared):
     kind = "pooled"
 
     def __init__(self, x: Tensor | _Shared, indices: Tensor | _Shared, t: Tensor) -> None:
-        super().__init__(0, 1 + (x.depth if isinstance(x, _Shared) else 0))
+        super().__init__(t, 0, 1 + (x.depth if isinstance(x, _Shared) else 0))
         self.x, self.indices, self.size, self.stride = x, indices, t.size(), t.stride()
         self.version = x._version if isinstance(x, Tensor) else None
         self.iversion = indices._version if isinstance(indices, Tensor) else None
@@ -507,6 +533,10 @@ class Pooled(_Shared):
     def _held(self) -> tuple[Tensor, ...]:
         """Nothing the graph does not hold anyway (for memory accounting)."""
         return ()
+
+    def _reads(self) -> tuple[Tensor, ...]:
+        """The tensors rebuild() reads itself: its sources that are tensors."""
+        return tuple(s for s in (self.x, self.indices) if isinstance(s, Tensor))
 
 
 def _checked(t: Tensor, version: int | None, why: str) -> Tensor:

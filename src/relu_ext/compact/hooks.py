@@ -42,8 +42,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     recompute), a max-pool output as the pool's input at its indices (*pooled*, with recompute), an
     integer tensor only the graph holds (max-pool indices) in the narrowest type that holds it
     (*narrowed*, at the exit), and one of +0 and one other value that no node made (dropout's noise,
-    a bool tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives
-    backward the values it had then or PyTorch's in-place error, never new data.
+    a bool tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives PyTorch's
+    in-place error while it lives; changed and freed, backward gets the forward's values, never new data.
 
     ``with`` gives the context, which counts what its hooks did (over all its blocks; each distinct
     tensor once): ``replayed``, ``replay_misses`` (recipes that failed their check; then compacted
@@ -384,6 +384,8 @@ class _Packer:
             self.waiting.append(held)
             return
         self.waiting_bytes -= held.nbytes
+        if outcome is True and not held.form.whole.unchanged():
+            outcome = "unsupported"  # (changed in place meanwhile: kept as it is, backward raises PyTorch's error)
         held.form.resolved(outcome is True)
         if outcome is True:
             self.stats.add(held.form.kind, held.nbytes, held.form.nbytes)

@@ -172,16 +172,15 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, Deferred | None,
     exact = check.now()
     if exact is False:
         return None, None, True
-    return (Replayed(*first[:3], act[0], act[1], None if second is None else second[:3]),
+    return (Replayed(t, *first[:3], act[0], act[1], None if second is None else second[:3]),
             check if exact is None else None, False)
 
 
 def _compacted(t: Tensor, min_saving: float) -> tuple[Compacted | None, Deferred | None]:
     """`t` compacted, or None when that would save less than `min_saving` of its bytes; or, where a step's
     value has not come back yet, the form that holds `t` until it has, and that step's check."""
-    y = t.detach()
-    packed = Compacted(y, _relu_ext_mask(t), (1 - min_saving) * y.nbytes)  # relu_ext's own mask: no second bitmap
-    packed.hold(y)
+    packed = Compacted(t, _relu_ext_mask(t), (1 - min_saving) * t.nbytes)  # relu_ext's own mask: no second bitmap
+    packed.hold(t)
     check = packed.counted()
     while check.done():
         outcome = packed.checked(check)
