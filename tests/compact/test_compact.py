@@ -216,16 +216,17 @@ def test_layouts_come_back(relu):
 
 
 def _count_compactions(monkeypatch) -> list[Any]:
-    """The forms the pack hook's compaction makes (Compacted or None), listed as made."""
+    """The compactions the pack hook makes, listed as made: the Compacted form, or None where it missed."""
     made: list[Any] = []
-    real = hooks._compacted
+    real = hooks._Packer._verify
 
-    def counting(t: torch.Tensor, min_saving: float) -> Any:
-        packed, check = real(t, min_saving)
-        made.append(packed)
-        return packed, check
+    def counting(packer: Any, form_made: Any, t: torch.Tensor) -> bool:
+        stands = real(packer, form_made, t)
+        if form_made.form.kind == "compacted":
+            made.append(form_made.form if stands else None)
+        return stands
 
-    monkeypatch.setattr(hooks, "_compacted", counting)
+    monkeypatch.setattr(hooks._Packer, "_verify", counting)
     return made
 
 

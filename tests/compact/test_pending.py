@@ -584,6 +584,37 @@ def test_forms_are_filled_on_their_stream_and_read_after_it(events, monkeypatch)
     assert {id(t) for f in rebuilt for t in f._reads()} <= named.marked
 
 
+def test_checks_come_back_in_the_middle_of_backward(events, monkeypatch):
+    """Checks come back while backward runs: at every third unpack, half of those still out complete
+    first. Forms switch from the tensor they held to their rebuild between one unpack and the next,
+    nothing is waited for, and the step is exact."""
+    sc = relu_ext.save_compact()
+    model = _model()
+    torch.manual_seed(1)
+    with relu_ext.install(), sc:
+        loss = model(X).float().square().mean()
+    packer = sc._packer
+    out_at_start = len(packer.waiting)
+    assert out_at_start >= 3
+    polls, left = 0, []
+    poll = hooks._Packer.poll
+
+    def completing(self: hooks._Packer) -> None:
+        nonlocal polls
+        polls += 1
+        if polls % 3 == 0:
+            out = [e for e in events if not e.complete]
+            for e in out[: (len(out) + 1) // 2]:
+                e.complete = True
+        poll(self)
+        left.append(len(self.waiting))
+
+    monkeypatch.setattr(hooks._Packer, "poll", completing)
+    loss.backward()
+    assert left[0] == out_at_start and any(0 < n < out_at_start for n in left) and not any(e.waited for e in events)
+    assert_same_step((loss.detach(), [p.grad for p in model.parameters()]), _reference())
+
+
 def test_a_late_miss_of_the_nodes_mask_compacts_with_a_bitmap(events):
     """relu_ext's mask does not restore relu(-0.0) = -0.0; found after the pack hook returned, the
     tensor gets its own bitmap, counted again, and backward is exact."""

@@ -52,10 +52,12 @@ elements and that pattern, from when it is saved (``TwoValued``,
 ``relu_ext::binary_mask`` / ``binary_expand``); a bool tensor that no node
 made (CUDA dropout's mask, 1 byte an element) likewise, on the CPU and CUDA.
 
-The package: ``hooks`` (``save_compact`` and its pack hook, ``_Packer``), ``forms`` (the forms a
-saved tensor is kept in), ``recipes`` (making them: recipes read from the graph and verified,
-compaction), ``graph`` (every read of PyTorch's private autograd attributes), ``stats`` (the
-counts and ``report()``), ``bits`` (comparing tensors bit for bit, bool bitmaps).
+The package: ``hooks`` (``save_compact`` and its pack hook, ``_Packer``: one path for every form's
+check), ``forms`` (the forms a saved tensor is kept in), ``recipes`` (the table of forms, ``FORMS``,
+and making each: recipes read from the graph, compaction, bitmaps), ``deferred`` (every read of a
+device value), ``streams`` (the CUDA streams forms are made, filled and read on), ``graph`` (every
+read of PyTorch's private autograd attributes), ``stats`` (the counts and ``report()``), ``bits``
+(comparing tensors bit for bit, bool bitmaps).
 """
 
 # The forms and the bit comparisons too, as ``relu_ext.compact.<name>``, which tests read.

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .bits import _bool_bits, _bools_of, _same_bits_later
+from .bits import _bools_of, _same_bits_later
 from .deferred import Deferred
 from .graph import _inputs
 from .streams import STREAMS
@@ -83,6 +83,10 @@ class _Shared:
         """The form's check is back: True where the form is exact, else why the tensor is kept as it is
         (a key of stats._REASONS), or the next check to wait for (a form made in steps)."""
         return True if check.flag() else self.missed_as
+
+    def kept_as_is(self) -> bool:
+        """Whether the form holds the tensor itself as it is (counted as kept, see hooks._Packer._count)."""
+        return False
 
     def resolved(self, exact: bool) -> None:
         """The last check is back: drop the tensor where this form is `exact`, else keep it from now on."""
@@ -182,10 +186,11 @@ class Compacted(_Shared):
         self.ends: Tensor | None = _ops.compact_count(y, self.mask)
         self.size, self.stride = y.size(), y.stride()
 
-    def counted(self) -> Deferred:
-        """The first step's check: the number of kept elements."""
+    @property
+    def count(self) -> Tensor:
+        """The first step's check (on the device): the number of kept elements."""
         assert self.ends is not None
-        return Deferred(self.ends[-1:])
+        return self.ends[-1:]
 
     def checked(self, check: Deferred) -> bool | str | Deferred:
         """The next step once `check` is back (see _Shared.checked), compacting the tensor held, on the
@@ -215,7 +220,7 @@ class Compacted(_Shared):
         self.shared, self.values = False, None
         self.mask = _ops.nonzero_mask(y)
         self.ends = _ops.compact_count(y, self.mask)
-        return self.counted()
+        return Deferred(self.count)
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout (values sized from this mask's count)."""
@@ -365,6 +370,10 @@ class Concatenated(_Shared):
             out = torch.empty_strided(self.size, self.stride, dtype=out.dtype, device=out.device).copy_(out)
         return out
 
+    def kept_as_is(self) -> bool:
+        """The first of a chain: the concatenation itself (the next one's first piece)."""
+        return len(self.pieces) == 1
+
     def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the first piece is at the version it had."""
         return self.pieces[0]._version == self.version
@@ -470,19 +479,6 @@ class TwoValued(_Shared):
     def __init__(self, mask: Tensor, value: Tensor | None, t: Tensor) -> None:
         super().__init__(t, mask.nbytes + (0 if value is None else value.nbytes))
         self.mask, self.value, self.size, self.stride = mask, value, t.size(), t.stride()
-
-    @staticmethod
-    def of(t: Tensor) -> tuple[TwoValued | None, Deferred | None]:
-        """`t` as a bitmap and its one nonzero bit pattern, or None where it has a second one; and
-        the check that says so, where it has not come back yet (see _Shared.hold)."""
-        if t.dtype == torch.bool:
-            return TwoValued(_bool_bits(t), None, t), None
-        mask, value, ok = _ops.binary_mask(t)
-        check = Deferred(ok)
-        exact = check.now()
-        if exact is False:
-            return None, None
-        return TwoValued(mask, value, t), check if exact is None else None
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""

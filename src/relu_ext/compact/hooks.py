@@ -15,12 +15,11 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .bits import _is_dense
 from .deferred import Deferred
-from .forms import Concatenated, Narrowed, TwoValued, _Dense, _Shared, _ViewOf
-from .graph import _CAT, _MAX_POOL, _after_batchnorm, _cat_dim, _made_by, _mostly_zeros, _note_kept
-from .recipes import _compacted, _concatenation, _pooled, _replayed
+from .forms import Narrowed, _Dense, _Shared, _ViewOf
+from .graph import _after_batchnorm, _mostly_zeros, _note_kept
+from .recipes import _MIN_NUMEL, FORMS, Made, Row, _plain_dense
 from .stats import _Stats
 
-_MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
 # The default pending_bytes on a GPU, as a fraction of its memory: several layers' outputs at
 # training sizes (enough for the device to stay ahead of the host), small beside a step's
 # activations. On the CPU checks are back at once; only tests' stand-in events wait there.
@@ -253,30 +252,22 @@ class _Packer:
     def _pack(self, t: Tensor) -> Any:
         """`t`, no view standing for its base, in its form: each form made once per tensor and version."""
         why = _why_kept(t, self.recompute)
-        recipe = _rebuildable(t) if self.recompute and why == "not_activation" else None
         if why == "not_activation" and _narrowable(t):
             return self._narrowed(t)
-        if why == "not_activation" and _two_valued_candidate(t):
-            packed = self._two_valued(t)
-            if packed is not None:
-                return packed
-        if why is not None and recipe is None:
-            self._count_kept(t, why)
-            dense = _Dense(t)
-            if self.recompute and t.grad_fn is not None and why == "not_activation":
-                _note_kept(t, dense)
-            return dense
-        hit = self.cache.get(t)
-        if hit is None or hit[0] != t._version:
-            packed = self._form(t, recipe)
-            hit = self.cache[t] = (t._version, packed)  # counted again when changed in place: a second form is held
-        if hit[1] is None:
-            dense = _Dense(t)
-            if self.recompute:
-                _note_kept(t, dense)
-            return dense
-        hit[1].pending += 1
-        return hit[1]
+        rows = [row for row in FORMS if row.applies(t, why, self.recompute)]
+        if rows:
+            hit = self.cache.get(t)
+            if hit is None or hit[0] != t._version:
+                # (Changed in place and saved again: a second form, counted again.)
+                hit = self.cache[t] = (t._version, self._form(t, rows))
+            if hit[1] is not None:
+                hit[1].pending += 1
+                return hit[1]
+        self._count_kept(t, why or ("too_few_zeros" if _mostly_zeros(t.grad_fn) else "not_replayed"))
+        dense = _Dense(t)
+        if self.recompute and t.grad_fn is not None and why in (None, "not_activation"):
+            _note_kept(t, dense)
+        return dense
 
     def _narrowed(self, t: Tensor) -> Narrowed:
         """Integer `t` as a Narrowed, one per tensor and version: narrowed, or not, when the context exits."""
@@ -286,21 +277,6 @@ class _Packer:
             self.stats.keep("not_activation", t.nbytes)  # (until settled)
         packed.pending += 1
         return packed
-
-    def _two_valued(self, t: Tensor) -> TwoValued | None:
-        """`t` as a TwoValued, made once per tensor and version; None where it has more than two values."""
-        hit = self.cache.get(t)
-        if hit is None or hit[0] != t._version:
-            with torch.no_grad():
-                packed, check = TwoValued.of(t)
-            hit = self.cache[t] = (t._version, packed)
-            if check is not None:
-                self._hold(packed, t, check)
-            elif packed is not None:
-                self.stats.add(packed.kind, t.nbytes, packed.nbytes)
-        if hit[1] is not None:
-            hit[1].pending += 1
-        return hit[1]
 
     def _count_kept(self, t: Tensor, why: str) -> None:
         """Count `t`, saved as it is for `why`, once however many nodes save it."""
@@ -323,44 +299,62 @@ class _Packer:
                     del self.seen[dead]
                 self.prune_at = 2 * len(self.seen) + 1024
 
-    def _form(self, t: Tensor, recipe: str | None) -> Any:
-        """`t`, an activation output (or with `recipe`, the node it is a recipe of), in the smallest
-        form: a recipe, else compacted where mostly zeros; None: saved as it is. Counted, or, where
-        its check has not come back, held as `t` until it has (see resolve)."""
-        fn, packed, check, missed = t.grad_fn, None, None, False
-        zeros = _mostly_zeros(fn)
+    def _form(self, t: Tensor, rows: list[Row]) -> _Shared | None:
+        """`t` in the form of the first of `rows` (those of FORMS that apply to it) that can be made and
+        whose check does not fail at once; None: saved as it is."""
         with torch.no_grad():
-            if recipe == _CAT:
-                packed, check = _concatenation(t, _cat_dim(t), self.chains)
-            elif recipe is not None:
-                packed, check = _pooled(t, self.unpack)
-            elif self.recompute and _after_batchnorm(fn):
-                packed, check, missed = _replayed(t, self.unpack)
-            if packed is None and zeros:
-                packed, check = _compacted(t, self.min_saving)
-        if self.recompute and packed is not None:
-            _note_kept(t, packed)
-        self.stats.replay_misses += missed
-        if check is not None:
-            self._hold(packed, t, check)
-        elif isinstance(packed, Concatenated) and len(packed.pieces) == 1:
-            self.stats.keep("not_activation", t.nbytes)  # (the first of a chain: as it is)
-        elif packed is not None:
-            self.stats.add(packed.kind, t.nbytes, packed.nbytes)
-        else:
-            self.stats.keep("not_activation" if recipe else "too_few_zeros" if zeros else "not_replayed", t.nbytes)
-        return packed
+            for row in rows:
+                made = row.make(t, self)
+                if made is not None and self._verify(made, t):
+                    if self.recompute and t.grad_fn is not None:
+                        _note_kept(t, made.form)
+                    return made.form
+        return None
 
-    def _hold(self, packed: _Shared, t: Tensor, check: Deferred) -> None:
-        """Let `packed` stand for `t` as `t` itself until `check` comes back; past the budget of bytes
-        held so, wait for the oldest such checks, never for this one (waiting for the newest work
-        would drain the device's whole queue: a synchronization)."""
-        packed.hold(t)
-        newest = _Check(packed, check, t.nbytes)
+    def _verify(self, made: Made, t: Tensor) -> bool:
+        """Every form's check, one path: a form exact as made is counted; else it holds `t` itself and
+        its check starts, resolved at once where its value is back (on the CPU, always; a form made in
+        steps takes each step), else held until it is (resolve). False: missed at once."""
+        form, flag = made
+        if flag is None:
+            self._count(form, t.nbytes)
+            return True
+        form.hold(t)
+        check = Deferred(flag)
+        while check.done():
+            outcome = form.checked(check)
+            if not isinstance(outcome, Deferred):
+                return self._decided(form, outcome, t.nbytes)
+            check = outcome
+        self._hold(form, check, t.nbytes, t.device)
+        return True
+
+    def _decided(self, form: _Shared, outcome: bool | str, nbytes: int) -> bool:
+        """`form`'s last check came back with `outcome` (True: exact; else why it missed): drop the tensor
+        it held where exact, and count it; whether it was."""
+        form.resolved(outcome is True)
+        if outcome is True:
+            self._count(form, nbytes)
+            return True
+        self.stats.replay_misses += form.kind == "replayed"
+        return False
+
+    def _count(self, form: _Shared, nbytes: int) -> None:
+        """Count a tensor of `nbytes` bytes kept as `form` (the first concatenation of a chain: as it is)."""
+        if form.kept_as_is():
+            self.stats.keep(form.missed_as, nbytes)
+        else:
+            self.stats.add(form.kind, nbytes, form.nbytes)
+
+    def _hold(self, form: _Shared, check: Deferred, nbytes: int, device: torch.device) -> None:
+        """Let `form` stand for its tensor, of `nbytes` bytes on `device`, as that tensor until `check`
+        comes back; past the budget of bytes held so, wait for the oldest such checks, never for this
+        one (waiting for the newest work would drain the device's whole queue: a synchronization)."""
+        newest = _Check(form, check, nbytes)
         self.waiting.append(newest)
-        self.waiting_bytes += t.nbytes
+        self.waiting_bytes += nbytes
         self.poll()
-        budget = self.budget if self.budget is not None else _pending_bytes(t.device)
+        budget = self.budget if self.budget is not None else _pending_bytes(device)
         while self.waiting_bytes > budget and self.waiting and self.waiting[0] is not newest and not _capturing():
             self.resolve()
 
@@ -386,11 +380,7 @@ class _Packer:
         self.waiting_bytes -= held.nbytes
         if outcome is True and not held.form.whole.unchanged():
             outcome = "unsupported"  # (changed in place meanwhile: kept as it is, backward raises PyTorch's error)
-        held.form.resolved(outcome is True)
-        if outcome is True:
-            self.stats.add(held.form.kind, held.nbytes, held.form.nbytes)
-        else:
-            self.stats.replay_misses += held.form.kind == "replayed"
+        if not self._decided(held.form, outcome, held.nbytes):
             self.stats.keep(outcome, held.nbytes)
 
     def settle(self) -> None:
@@ -503,13 +493,6 @@ def _whole_view(t: Tensor, base: Tensor) -> bool:
     return _stands_for(t, base) and t.numel() == base.numel() and _is_dense(t) and _is_dense(base)
 
 
-def _plain_dense(t: Tensor) -> bool:
-    """Whether `t` is a plain strided tensor (no subclass) on the CPU or CUDA, of at least 4096
-    elements, that fills a block of memory exactly once: what narrowing and bitmaps take."""
-    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
-            and t.numel() >= _MIN_NUMEL and _is_dense(t))
-
-
 def _narrowable(t: Tensor) -> bool:
     """Whether `t` is an integer tensor that may be kept narrower (see Narrowed)."""
     return (
@@ -517,28 +500,3 @@ def _narrowable(t: Tensor) -> bool:
         and not t._is_view()  # (its base's storage may be held elsewhere)
         and _plain_dense(t)
     )
-
-
-_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def _two_valued_candidate(t: Tensor) -> bool:
-    """Whether `t` may be kept as a bitmap (see TwoValued): a plain dense tensor of at least 4096
-    elements that no node made (an activation output is not), floating-point on the CPU (the
-    kernels of binary_mask) or bool on the CPU or CUDA."""
-    return (
-        t.grad_fn is None
-        and not t.requires_grad
-        and ((t.dtype in _FLOATS and t.device.type == "cpu") or t.dtype == torch.bool)
-        and _plain_dense(t)
-    )
-
-
-def _rebuildable(t: Tensor) -> str | None:
-    """The node name of a tensor kept as a recipe of what other nodes keep where its node is
-    ``torch.cat``'s or ``max_pool2d``'s: a plain dense floating-point tensor on the CPU or CUDA
-    (where its verification costs one host sync, as a compaction's size does); else None."""
-    name = _made_by(t)
-    if name not in (_CAT, _MAX_POOL) or not t.is_floating_point():
-        return None
-    return name if _plain_dense(t) else None

@@ -1,38 +1,84 @@
-"""Making ``save_compact()``'s forms of saved tensors: recipes read from the graph and verified bit for
-bit when packed (``Replayed``, ``Pooled``, ``Concatenated`` chains), and compaction."""
+"""``save_compact()``'s table of forms (``FORMS``), and how each is made from a saved tensor: recipes
+read from the graph (``Replayed``, ``Pooled``, ``Concatenated`` chains), compaction, bitmaps.
+
+A row says when it applies to a tensor (cheap: the tensor's kind and its node) and makes the form
+with the flag, on the tensor's device, that says whether the form is exact (``Made``). The pack
+hook (hooks._Packer._form) tries the rows that apply in order and keeps the first form whose check
+does not fail at once; it owns everything else: the check, holding the tensor until the check is
+back, the fallback to the next row, the counts. Adding a form is one class (forms.py) and one row.
+"""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from .bits import _same_bits_later
-from .deferred import Deferred
-from .forms import Compacted, Concatenated, Pooled, Replayed, _Dense, _gathered, _Shared
-from .graph import (_activation_of, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _is_batchnorm, _kept,
-                    _raw_saved, _relu_ext_mask, _Saved)
+from .bits import _bool_bits, _is_dense, _same_bits_later
+from .forms import Compacted, Concatenated, Pooled, Replayed, TwoValued, _Dense, _gathered, _Shared
+from .graph import (_CAT, _MAX_POOL, _activation_of, _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps,
+                    _bn_training, _cat_dim, _is_batchnorm, _kept, _made_by, _mostly_zeros, _raw_saved,
+                    _relu_ext_mask, _Saved)
 
 _ops = torch.ops.relu_ext
+_MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
 
 
-def _concatenation(t: Tensor, dim: int, chains: dict[tuple[Any, ...], Any]) -> tuple[Concatenated, Deferred | None]:
-    """`t` (a concatenation along `dim`) in pieces: the last concatenation kept of the same other sizes,
-    where `t` begins with it, and what `t` adds; else the first of a new chain. And the check that `t`
-    begins with it, where it has not come back yet (see _Shared.hold)."""
-    key = (dim, t.dtype, t.device, t.shape[:dim] + t.shape[dim + 1:])
-    ref = chains.get(key)
+class Packing(Protocol):
+    """What a row's ``make`` reads of the pack hook (hooks._Packer)."""
+
+    unpack: Callable[[Any], Tensor]  # its unpack hook: what tells this context's saved forms apart
+    chains: dict[tuple[Any, ...], weakref.ref]  # the last concatenation kept, by _chain_key
+    min_saving: float
+
+
+class Made(NamedTuple):
+    """A form made from a saved tensor, and the check that it restores the tensor bit for bit: a
+    flag on the tensor's device (read later, see deferred.py), or None where it is exact as made."""
+
+    form: _Shared
+    flag: Tensor | None
+
+
+class Row(NamedTuple):
+    """A row of the table of forms: ``applies(t, why, recompute)`` (``why``: why the tensor would be
+    kept as it is, hooks._why_kept; None for an activation output worth keeping smaller), and
+    ``make(t, packer)``: the form and its check, or None where it cannot be made. A form declares its
+    ``kind`` (what it is counted as) and ``missed_as`` (why a tensor whose check failed is kept)."""
+
+    form: type[_Shared]
+    applies: Callable[[Tensor, "str | None", bool], bool]
+    make: Callable[[Tensor, Packing], "Made | None"]
+
+
+def _extended(t: Tensor, packer: Packing) -> Made | None:
+    """`t` (a concatenation) in pieces: the last concatenation kept of the same dimension and other
+    sizes, where `t` begins with it by the graph, and what `t` adds; checked by its data."""
+    dim = _cat_dim(t)
+    ref = packer.chains.get(_chain_key(t, dim))
     prev = None if ref is None else ref()
     same = None if prev is None else prev.extends(t, dim)
-    check = None if same is None else Deferred(same)
-    exact = None if check is None else check.now()
-    if exact is not None:
-        check = None
-    packed = Concatenated(t, dim, prev if same is not None and exact is not False else None)
-    chains[key] = weakref.ref(packed)
-    return packed, check
+    if same is None:
+        return None
+    return _chained(t, Concatenated(t, dim, prev), packer, same)
+
+
+def _chain_start(t: Tensor, packer: Packing) -> Made:
+    """`t` (a concatenation) as the first of a chain: kept as it is, the next one's first piece."""
+    return _chained(t, Concatenated(t, _cat_dim(t), None), packer, None)
+
+
+def _chained(t: Tensor, packed: Concatenated, packer: Packing, flag: Tensor | None) -> Made:
+    """`packed`, now the last concatenation of its chain (a later row replaces it where it misses)."""
+    packer.chains[_chain_key(t, packed.dim)] = weakref.ref(packed)
+    return Made(packed, flag)
+
+
+def _chain_key(t: Tensor, dim: int) -> tuple[Any, ...]:
+    """The concatenations a chain may hold: the same dimension, dtype, device and other sizes."""
+    return (dim, t.dtype, t.device, t.shape[:dim] + t.shape[dim + 1:])
 
 
 def _source(saved: _Saved, unpack: Any) -> Tensor | _Shared | None:
@@ -47,25 +93,20 @@ def _source(saved: _Saved, unpack: Any) -> Tensor | _Shared | None:
     return None
 
 
-def _pooled(t: Tensor, unpack: Any) -> tuple[Pooled | None, Deferred | None]:
-    """`t` (a max_pool2d output, N x C x h x w) as a recipe, or None; and its check, where it has not
-    come back yet (see _Shared.hold)."""
+def _pooled(t: Tensor, packer: Packing) -> Made | None:
+    """`t` (a max_pool2d output, N x C x h x w) as a recipe: the pool's input at its indices."""
     if t.dim() != 4:
-        return None, None
-    x, indices = (_source(_raw_saved(t.grad_fn, name), unpack) for name in ("self", "result1"))
+        return None
+    x, indices = (_source(_raw_saved(t.grad_fn, name), packer.unpack) for name in ("self", "result1"))
     if x is None or indices is None:
-        return None, None
+        return None
     at = indices.live() if isinstance(indices, _Shared) else indices
     if at.shape != t.shape or (isinstance(x, Tensor) and (x.dim() != 4 or x.dtype != t.dtype)):
-        return None, None
+        return None
     now = x.gathered(at, t.size(), t.stride()) if isinstance(x, _Shared) else _gathered(x, at, t.size(), t.stride())
     if now.dtype != t.dtype:
-        return None, None
-    check = Deferred(_same_bits_later([(now, t)]))
-    exact = check.now()
-    if exact is False:
-        return None, None
-    return Pooled(x, indices, t), check if exact is None else None
+        return None
+    return Made(Pooled(x, indices, t), _same_bits_later([(now, t)]))
 
 
 def _peek(saved: _Saved, unpack: Any) -> Tensor | None:
@@ -139,10 +180,8 @@ def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, 
     return source, alpha, beta, now
 
 
-def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, Deferred | None, bool]:
-    """`t` (an activation output after a BatchNorm, or after a residual add of one) as a
-    recipe, or None; its check, where it has not come back yet (see _Shared.hold); and whether
-    a recipe was tried and missed verification.
+def _replayed(t: Tensor, packer: Packing) -> Made | None:
+    """`t` (an activation output after a BatchNorm, or after a residual add of one) as a recipe.
 
     A residual add ``out += identity`` (torchvision's BasicBlock and Bottleneck) replays
     where ``identity`` is a BatchNorm output too (the downsample's), or a tensor this
@@ -153,39 +192,98 @@ def _replayed(t: Tensor, unpack: Any) -> tuple[Replayed | None, Deferred | None,
     two recipes alternate with a compacted output."""
     act = _activation_of(t.grad_fn)
     if act is None or t.dim() < 2:
-        return None, None, False
+        return None
     inputs = _batchnorm_inputs(t.grad_fn)
     if inputs is None:
-        return None, None, False
+        return None
     bn, other = inputs  # other: a residual add's other input (node, output_nr)
-    first = _bn_source(bn, t, unpack)
+    first = _bn_source(bn, t, packer.unpack)
     second = None  # the add's other input: what the recipe reads, its terms, what verification reads
     if other is not None:
         b, b_nr = other
-        second = _bn_source(b, t, unpack) if _is_batchnorm(b) else _kept_output(b, b_nr, t)
+        second = _bn_source(b, t, packer.unpack) if _is_batchnorm(b) else _kept_output(b, b_nr, t)
         if second is None:
-            return None, None, False
+            return None
     if first is None:
-        return None, None, False
+        return None
     also = () if second is None else (second[3], *second[1:3])
-    check = Deferred(_ops.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *also))
-    exact = check.now()
-    if exact is False:
-        return None, None, True
-    return (Replayed(t, *first[:3], act[0], act[1], None if second is None else second[:3]),
-            check if exact is None else None, False)
+    flag = _ops.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *also)
+    return Made(Replayed(t, *first[:3], act[0], act[1], None if second is None else second[:3]), flag)
 
 
-def _compacted(t: Tensor, min_saving: float) -> tuple[Compacted | None, Deferred | None]:
-    """`t` compacted, or None when that would save less than `min_saving` of its bytes; or, where a step's
-    value has not come back yet, the form that holds `t` until it has, and that step's check."""
-    packed = Compacted(t, _relu_ext_mask(t), (1 - min_saving) * t.nbytes)  # relu_ext's own mask: no second bitmap
-    packed.hold(t)
-    check = packed.counted()
-    while check.done():
-        outcome = packed.checked(check)
-        if not isinstance(outcome, Deferred):
-            packed.resolved(outcome is True)
-            return (packed if outcome is True else None), None
-        check = outcome
-    return packed, check
+def _compacted(t: Tensor, packer: Packing) -> Made:
+    """`t` compacted (with relu_ext's own mask where its node has one: no second bitmap), made in steps
+    (Compacted.checked); missed where it would save less than min_saving of its bytes."""
+    packed = Compacted(t, _relu_ext_mask(t), (1 - packer.min_saving) * t.nbytes)
+    return Made(packed, packed.count)
+
+
+def _two_valued(t: Tensor, packer: Packing) -> Made:
+    """`t` (no node made it) as a bitmap and its one nonzero bit pattern, checked to have no second
+    one; a bool tensor as its bits, exact as made."""
+    if t.dtype == torch.bool:
+        return Made(TwoValued(_bool_bits(t), None, t), None)
+    mask, value, ok = _ops.binary_mask(t)
+    return Made(TwoValued(mask, value, t), ok)
+
+
+def _plain_dense(t: Tensor) -> bool:
+    """Whether `t` is a plain strided tensor (no subclass) on the CPU or CUDA, of at least 4096
+    elements, that fills a block of memory exactly once: what narrowing and bitmaps take."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+            and t.numel() >= _MIN_NUMEL and _is_dense(t))
+
+
+def _output_of(t: Tensor, why: str | None, recompute: bool, name: str) -> bool:
+    """Whether a recipe of what other nodes keep applies to `t`, made by node `name` (``torch.cat``'s,
+    ``max_pool2d``'s): a plain dense floating-point tensor on the CPU or CUDA, with recompute."""
+    return recompute and why == "not_activation" and _made_by(t) == name and t.is_floating_point() and _plain_dense(t)
+
+
+def _a_concatenation(t: Tensor, why: str | None, recompute: bool) -> bool:
+    """applies() of a concatenation in pieces."""
+    return _output_of(t, why, recompute, _CAT)
+
+
+def _a_max_pool_output(t: Tensor, why: str | None, recompute: bool) -> bool:
+    """applies() of a max-pool output as its input at its indices."""
+    return _output_of(t, why, recompute, _MAX_POOL)
+
+
+def _after_a_batchnorm(t: Tensor, why: str | None, recompute: bool) -> bool:
+    """applies() of a replay: an activation output whose input is a BatchNorm's, with recompute."""
+    return why is None and recompute and _after_batchnorm(t.grad_fn)
+
+
+def _zeros_mostly(t: Tensor, why: str | None, recompute: bool) -> bool:
+    """applies() of a compaction: an activation output that is mostly zeros (ReLU, ...)."""
+    return why is None and _mostly_zeros(t.grad_fn)
+
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _two_valued_candidate(t: Tensor, why: str | None, recompute: bool) -> bool:
+    """applies() of a bitmap (see TwoValued): a plain dense tensor of at least 4096 elements that no
+    node made (an activation output is not), floating-point on the CPU (the kernels of binary_mask)
+    or bool on the CPU or CUDA."""
+    return (
+        why == "not_activation"
+        and t.grad_fn is None
+        and not t.requires_grad
+        and ((t.dtype in _FLOATS and t.device.type == "cpu") or t.dtype == torch.bool)
+        and _plain_dense(t)
+    )
+
+
+# The table of forms, in the order the pack hook tries them (the first that applies and does not miss
+# at once is kept). A concatenation that fails to extend the chain at once starts a new one; a replay
+# that misses falls back to compaction. Integer tensors are narrowed at the exit instead (Narrowed).
+FORMS = (
+    Row(Concatenated, _a_concatenation, _extended),
+    Row(Concatenated, _a_concatenation, _chain_start),
+    Row(Pooled, _a_max_pool_output, _pooled),
+    Row(Replayed, _after_a_batchnorm, _replayed),
+    Row(Compacted, _zeros_mostly, _compacted),
+    Row(TwoValued, _two_valued_candidate, _two_valued),
+)
