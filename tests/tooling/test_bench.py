@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import relu_ext
+
 from conftest import adversarial, assert_bitwise_equal
 from relu_ext.bench import cli, models, peers, real, report, timing
 
@@ -171,6 +173,9 @@ def test_small_memory_models_sections(result):
             assert math.isclose(m["held_vs_torch"], m["held_bytes"] / base["held_bytes"])
             assert len(m["rounds_s"]) == 3
             assert math.isclose(m["vs_torch"], statistics.median(a / b for a, b in zip(m["rounds_s"], base["rounds_s"])))
+        # save_compact()'s host time per saved tensor: its configurations have one, the others none.
+        timed = {c for c, m in row["results"].items() if m.get("hook_us_per_saved", 0) > 0}
+        assert timed == {c for c in real.CONFIGS if real.saving(c) is not None}, row["results"].keys()
     held = {(r["model"], r["dtype"]): {c: m["held_bytes"] for c, m in r["results"].items()} for r in mem}
     cnn = held[("resnet18", "float32")]
     # The next conv keeps the ReLU output: the mask alone frees nothing, compaction does.
@@ -187,6 +192,8 @@ def test_small_memory_models_sections(result):
     text = report.format_tables(res)
     assert "kernels:" in text and "small tensors" in text and "training step" in text and "trust:" in text
     assert "real models, training mode" in text
+    hook_line = f"    resnet18 float32: install+compact {mem[0]['results']['install+compact']['hook_us_per_saved']:.1f}"
+    assert "host µs per saved tensor" in text and hook_line in text
 
 
 @pytest.mark.full  # the run behind `result` takes minutes
@@ -915,3 +922,20 @@ def test_gpu_models_goes_on_after_a_failed_configuration(monkeypatch):
     got = result["rows"][0]["results"]
     assert got["install"] == {"error": "RuntimeError: stand-in failure"}
     assert got["nn.ReLU"]["vs_torch"] == 1.0 and got["install+save_compact"]["held_vs_torch"] < 0.8
+
+
+def test_hook_time_counts_every_saved_tensor():
+    """real.hook_us: save_compact()'s hooks timed over a step, per tensor saved; none without them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(128, 64)
+    assert real.hook_us(model, x, "install") is None and real.hook_us(model, x, "nn.ReLU") is None
+    assert 0 < real.hook_us(model, x, "install+compact", rounds=1) < 1e6
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        real.loss_of(model, x)
+    timer = real.HookTimer()
+    with timer.wrap(relu_ext.save_compact()) as sc:
+        loss = real.loss_of(model, x)
+    loss.backward()
+    assert timer.saved == len(saved) > 0 and timer.spent > 0 and sc.compacted == 1

@@ -30,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -261,6 +262,54 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
     return sum(seen.values())
 
 
+class HookTimer:
+    """save_compact()'s hooks, timed: the host time spent in them (``spent``, seconds) and the
+    tensors packed (``saved``), over the steps run under ``wrap(sc)``."""
+
+    def __init__(self) -> None:
+        self.spent, self.saved = 0.0, 0
+        self._pack: Callable[[Tensor], Any] = lambda t: t
+        self._unpack: Callable[[Any], Tensor] = lambda t: t
+
+    def wrap(self, sc: relu_ext.save_compact) -> relu_ext.save_compact:
+        """`sc`, its hooks timed by this (set before it is entered, as held_bytes does)."""
+        self._pack, self._unpack = sc.pack_hook, sc.unpack_hook
+        sc.pack_hook, sc.unpack_hook = self.pack, self.unpack
+        return sc
+
+    def pack(self, t: Tensor) -> Any:
+        start = time.perf_counter()
+        packed = self._pack(t)
+        self.spent += time.perf_counter() - start
+        self.saved += 1
+        return packed
+
+    def unpack(self, packed: Any) -> Tensor:
+        start = time.perf_counter()
+        t = self._unpack(packed)
+        self.spent += time.perf_counter() - start
+        return t
+
+
+def hook_us(model: nn.Module, inputs: Any, config: str, rounds: int = 3) -> float | None:
+    """Host time in a configuration's save_compact() hooks per tensor saved for backward, pack and
+    unpack together, in µs: the best of `rounds` training steps (the hooks' own cost, which a GPU
+    waits for where the host falls behind). None for a configuration without save_compact()."""
+    if saving(config) is None:
+        return None
+    best = float("inf")
+    for _ in range(rounds):
+        timer = HookTimer()
+        torch.manual_seed(1)
+        with installing(config)():
+            with timer.wrap(saving(config)):
+                loss = loss_of(model, inputs)
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        best = min(best, timer.spent / max(timer.saved, 1) * 1e6)
+    return best
+
+
 def compact_counts(sc: relu_ext.save_compact) -> dict[str, int]:
     """What a save_compact() did, as the results record it."""
     return dict(replayed=sc.replayed, replay_misses=sc.replay_misses, compacted=sc.compacted,
@@ -396,6 +445,7 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
             for config in configs:
                 progress.step(f"memory held {key} {config}")
                 held[config] = held_bytes(run_as[config], inputs, config, counts[config])
+            hooks = {config: hook_us(run_as[config], inputs, config) for config in configs}
             steps = {config: step_fn(run_as[config], inputs, config) for config in configs}
             samples = timing.interleave(steps, device, rounds, budget_s, lambda c: progress.step(f"memory time {key} {c}"))
             results = {}
@@ -405,6 +455,8 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
                          vs_torch=timing.paired(samples[config], samples[base]), **peaks[config][key])
                 if counts[config]:
                     r["save_compact"] = counts[config]
+                if hooks[config] is not None:
+                    r["hook_us_per_saved"] = hooks[config]
                 first = peaks[base][key]["peak_bytes"]
                 r["peak_vs_torch"] = r["peak_bytes"] / first if first and r["peak_bytes"] is not None else None
                 results[config] = r

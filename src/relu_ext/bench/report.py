@@ -171,6 +171,21 @@ def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training
     lines.append("  held: distinct storages kept by saved tensors (parameters, copies of them, buffers and inputs aside), "
                  "exact")
     lines.append(f"  peak: {', '.join(sorted(methods))}"[:WIDTH])
+    return lines + hook_lines(rows)
+
+
+def hook_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """save_compact()'s host time per saved tensor (pack and unpack together) for each model, dtype
+    and configuration that has one."""
+    timed = [(r, {c: m["hook_us_per_saved"] for c, m in r["results"].items() if "hook_us_per_saved" in m})
+             for r in rows]
+    timed = [(r, us) for r, us in timed if us]
+    if not timed:
+        return []
+    lines = ["  save_compact's hooks: host µs per saved tensor, pack and unpack together (best of 3 steps)"]
+    for r, us in timed:
+        cells = "  ".join(f"{c} {v:.1f}" for c, v in us.items())
+        lines.append(f"    {r['model']} {r['dtype']}: {cells}"[:WIDTH])
     return lines
 
 

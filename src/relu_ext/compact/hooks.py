@@ -361,7 +361,7 @@ class _Packer:
     def poll(self) -> None:
         """Resolve the checks that have come back, oldest first, without waiting: the first one that
         has not stops the rest (a device's queue runs in order). Not under CUDA-graph capture."""
-        if _capturing():
+        if not (self.waiting or self.narrowing) or _capturing():  # (the first: every pack and unpack asks)
             return
         while self.waiting and self.waiting[0].check.done():
             self.resolve()
@@ -417,6 +417,8 @@ class _Packer:
 
     def _narrow(self, wait: bool) -> None:
         """Narrow the integer tensors whose range has come back (with `wait`, all of them)."""
+        if not self.narrowing:
+            return
         with torch.no_grad():
             while self.narrowing and (wait or self.narrowing[0].measured()):
                 packed = self.narrowing.popleft()
