@@ -130,8 +130,13 @@ def _covering(items: list[pytest.Item], key: str = "cover") -> list[pytest.Item]
 
 def _quick(config: pytest.Config, items: list[pytest.Item]) -> set[int]:
     """The ids of the items the quick tier (with `--full-marked`, if given) runs."""
-    keep = [i for i in items if _full_for(config, i)]
-    rest = [i for i in items if not _full_for(config, i) and i.get_closest_marker("full") is None]
+    keep: list[pytest.Item] = []
+    rest: list[pytest.Item] = []
+    for i in items:
+        if _full_for(config, i):
+            keep.append(i)
+        elif i.get_closest_marker("full") is None:
+            rest.append(i)
     for group in _by_function(rest):
         keep.extend(_covering(group))
     return set(map(id, keep))
