@@ -300,26 +300,118 @@ def _cuda_step(model: nn.Module, x: torch.Tensor, sc) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
+def _event_waits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every torch.cuda.Event.synchronize from now on, listed (sync debug mode does not see them)."""
+    waits: list[int] = []
+    real = torch.cuda.Event.synchronize
+
+    def synchronize(self: torch.cuda.Event) -> None:
+        waits.append(1)
+        real(self)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", synchronize)
+    return waits
+
+
 @needs_gpu
 @pytest.mark.parametrize("arch", ["resnet50", "mobilenet_v2", "densenet121"])
-def test_a_cuda_training_step_has_no_host_sync(arch):
+def test_a_cuda_training_step_has_no_host_sync(arch, monkeypatch):
     """Forward and backward of a real model under install() + save_compact(), float32 and bfloat16
-    autocast in channels_last, wait for the device nowhere. (Gradients are compared bitwise elsewhere:
-    a max-pool's CUDA backward adds with atomics, so two runs of resnet50 may differ in last bits.)"""
+    autocast in channels_last, wait for the device nowhere: no sync PyTorch's debug mode sees, and no
+    event waited for. With a pending_bytes the step goes past, it waits for old checks' events, and
+    still no sync the debug mode sees. (Gradients are compared bitwise elsewhere: a max-pool's CUDA
+    backward adds with atomics, so two runs of resnet50 may differ in last bits.)"""
     import torchvision
 
+    waits = _event_waits(monkeypatch)
     torch.manual_seed(0)
     model = getattr(torchvision.models, arch)(num_classes=10).cuda()
     x = torch.randn(4, 3, 96, 96, device="cuda")
     sc = relu_ext.save_compact()
     got = _cuda_step(model, x, sc)
+    assert not waits  # (before the counts: reading them waits for every check)
     assert len(got) == len(list(model.parameters())) and sc.compacted + sc.replayed > 0, sc.report()
     model = model.to(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         sc = relu_ext.save_compact()
         _cuda_step(model, x, sc)
+    assert not waits
     assert sc.compacted + sc.replayed > 0, sc.report()
+    sc = relu_ext.save_compact(pending_bytes=1 << 20)  # (past it: waits for old checks, each an event)
+    _cuda_step(model, x, sc)
+    assert waits, sc.report()
+
+
+def _cuda_reference(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of train_step under install() alone, on the model's device."""
+    with relu_ext.install():
+        return train_step(model, x, contextlib.nullcontext())[1]
+
+
+@needs_gpu
+@pytest.mark.parametrize("back", [False, True], ids=["pending", "back"])
+def test_a_side_stream_forward_is_exact(back):
+    """The forward on a side stream (forms made, and filled, there), backward from the default one,
+    with the checks still out or all back (every form then rebuilt): PyTorch's gradients, bitwise."""
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        model, x = _model().cuda(), X.cuda()
+        want = _cuda_reference(_model().cuda(), x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        sc = relu_ext.save_compact()
+        with torch.cuda.stream(side), relu_ext.install(), sc:
+            torch.manual_seed(1)
+            loss = model(x).float().square().mean()
+        assert all(f.stream == side for f in (c.form for c in sc._packer.waiting))
+        torch.cuda.current_stream().wait_stream(side)
+        if back:
+            sc._packer.settle()
+            assert not sc._packer.waiting
+        loss.backward()
+        got = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sc.compacted and sc.replayed + sc.replay_misses and sc.pooled and sc.concatenated, sc.report()
+
+
+@needs_gpu
+def test_every_form_rebuilt_on_cuda_is_exact():
+    """The rebuild path on CUDA, forced: every check back before backward, so every form is rebuilt
+    from what it keeps, not read from the tensor it held; PyTorch's gradients, bitwise."""
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        model, x = _model().cuda(), X.cuda()
+        want = _cuda_reference(_model().cuda(), x)
+        sc = relu_ext.save_compact()
+        with relu_ext.install(), sc:
+            torch.manual_seed(1)
+            loss = model(x).float().square().mean()
+        sc._packer.settle()
+        loss.backward()
+        got = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sc.compacted and sc.replayed + sc.replay_misses and sc.pooled and sc.concatenated, sc.report()
+    assert sc.two_valued, sc.report()
+
+
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
+def test_a_step_on_the_second_gpu_while_the_first_is_current(monkeypatch):
+    """The model on cuda:1 with cuda:0 current: each check's copy and event on cuda:1's stream (the
+    step waits for nothing), the forms made on it, and PyTorch's gradients, bitwise."""
+    waits = _event_waits(monkeypatch)
+    with torch.cuda.device(0), torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        model, x = _model().to("cuda:1"), X.to("cuda:1")
+        want = _cuda_reference(_model().to("cuda:1"), x)
+        sc = relu_ext.save_compact()
+        with relu_ext.install(), sc:
+            torch.manual_seed(1)
+            loss = model(x).float().square().mean()
+        assert all(c.form.stream.device == torch.device("cuda", 1) for c in sc._packer.waiting)
+        loss.backward()
+        assert not waits
+        got = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sc.compacted and sc.replayed + sc.replay_misses, sc.report()
 
 
 @needs_gpu

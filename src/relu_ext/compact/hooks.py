@@ -216,7 +216,7 @@ class _Packer:
         # Integer tensors to narrow when the context exits (settle()): id -> its Narrowed,
         # which holds the tensor until then (so the id stays its own).
         self.ints: dict[int, Narrowed] = {}
-        # The last concatenation kept in pieces, by its dimension and its other sizes (_concatenation).
+        # The last concatenation kept in pieces, by its dimension and its other sizes (recipes._chain_key).
         self.chains: dict[tuple[Any, ...], weakref.ref] = {}
         # Forms whose check has not come back, oldest first, each with the bytes of the tensor it holds
         # until then, and those bytes in all.
