@@ -150,7 +150,7 @@ def needed_libraries(path: str) -> "list[str] | None":
     return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
 
 
-# ninja starts the compiles in the order of the sources: the longest first, so that at the end no
+# ninja starts the compiles in the order it is given them: the longest first, so that at the end no
 # core idles while the other finishes one of them (the CUDA files, compiled once per architecture;
 # the replay and family kernels, once per instruction set). The rest follow by name.
 SLOWEST_FIRST = ["csrc/compact/cuda.cu", "csrc/activations/cuda.cu", "csrc/compact/replay_cpu.cpp",
@@ -166,9 +166,23 @@ def build_order(sources: "list[str]") -> "list[str]":
     return sorted(sources, key=lambda s: (rank.get(s, len(rank)), s))
 
 
+class SlowestFirst:
+    """A compiler's compile(), given its sources in build_order: setuptools sorts an extension's
+    sources by name before it compiles them. The objects come back in the order of the sources it
+    was called with, so the link line stays as it was."""
+
+    def __init__(self, compile_) -> None:
+        self.compile = compile_
+
+    def __call__(self, sources, *args, **kwargs):
+        ordered = build_order(list(sources))
+        objects = dict(zip(ordered, self.compile(ordered, *args, **kwargs)))
+        return [objects[s] for s in sources]
+
+
 def extension(reason: "str | None", arch: "str | None"):
     # csrc/core (shared), csrc/activations and csrc/compact (save_compact); includes are from csrc/.
-    sources = glob.glob("csrc/*/*.cpp")
+    sources = sorted(glob.glob("csrc/*/*.cpp"))
     include = [os.path.abspath("csrc")]
     # -g0: Python's default CFLAGS carry -g, which doubles compile time.
     cxx, link = ["-O3", "-g0"], []
@@ -185,12 +199,12 @@ def extension(reason: "str | None", arch: "str | None"):
         link.append("-fopenmp")
     link += shared_libstdcxx_args()
     if reason is not None:
-        return CppExtension("relu_ext._C", build_order(sources), include_dirs=include, extra_compile_args={"cxx": cxx},
+        return CppExtension("relu_ext._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx},
                             extra_link_args=link)
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     return CUDAExtension(
         "relu_ext._C",
-        build_order(sources + glob.glob("csrc/*/*.cu")),
+        sources + sorted(glob.glob("csrc/*/*.cu")),
         include_dirs=include,
         define_macros=[("WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-Xcompiler", "-g0"]},
@@ -216,6 +230,14 @@ else:
         The package reads it before it loads the native module, so a torch
         of another major.minor gets a clear ImportError instead of a crash.
         """
+
+        def build_extension(self, ext) -> None:
+            compile_ = self.compiler.compile  # (torch's ninja build, set by build_extensions)
+            self.compiler.compile = SlowestFirst(compile_)
+            try:
+                super().build_extension(ext)
+            finally:
+                self.compiler.compile = compile_
 
         def run(self) -> None:
             super().run()
