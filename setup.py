@@ -152,9 +152,10 @@ def needed_libraries(path: str) -> "list[str] | None":
 
 # ninja starts the compiles in the order it is given them: the longest first, so that at the end no
 # core idles while the other finishes one of them (the CUDA files, compiled once per architecture;
-# the replay and family kernels, once per instruction set). The rest follow by name.
+# the replay and family kernels, once per instruction set; the module, with torch's Python
+# headers). The rest follow by name.
 SLOWEST_FIRST = ["csrc/compact/cuda.cu", "csrc/activations/cuda.cu", "csrc/compact/replay_cpu.cpp",
-                 "csrc/activations/family.cpp"]
+                 "csrc/activations/family.cpp", "csrc/core/module.cpp"]
 
 
 def build_order(sources: "list[str]") -> "list[str]":

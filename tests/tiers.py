@@ -54,6 +54,8 @@ def add_option(parser: pytest.Parser) -> None:
                      help="run the full tier less the quick tier (what --full adds to a plain run)")
     parser.addoption("--full-marked", metavar="MARK", default=None,
                      help="the full matrices of the tests marked MARK, the quick tier of the rest")
+    parser.addoption("--tiers-to", metavar="FILE", default=None,
+                     help="write each collected test's tiers to FILE (tests/tooling/test_tiers.py reads it)")
 
 
 # Parameters whose values are covered together, every pair of values, where a test has both.
@@ -153,8 +155,22 @@ def _rest(items: list[pytest.Item], quick: set[int]) -> set[int]:
     return kept
 
 
+def write_tiers(path: str, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Writes a line `QRF NODEID` for each of `items`: Q, R and F are 1 where the quick tier runs
+    it, where `--rest` runs it and where it is marked `full` (else 0). One collection then gives
+    every tier, as the other options would select them."""
+    quick = _quick(config, items)
+    rest = _rest(items, quick)
+    with open(path, "w") as f:
+        for i in items:
+            full = i.get_closest_marker("full") is not None
+            f.write(f"{int(id(i) in quick)}{int(id(i) in rest)}{int(full)} {i.nodeid}\n")
+
+
 def select(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Drops, in place, what this tier does not run, and reports it as deselected."""
+    if config.getoption("tiers_to"):
+        write_tiers(config.getoption("tiers_to"), config, items)
     if config.getoption("full"):
         return
     quick = _quick(config, items)

@@ -166,7 +166,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_file: str, version: 
         dist.destroy_process_group()
 
 
-@pytest.mark.quick(cover=())  # FSDP2 alone: each version is a two-process run
+@pytest.mark.full  # each version is a two-process run: DDP is the quick tier's distributed case
 @pytest.mark.parametrize("version", [2, 1], ids=["fsdp2", "fsdp1"])
 def test_fsdp_gloo_matches_nn_relu(tmp_path, version):
     out = tmp_path / "fsdp.pt"

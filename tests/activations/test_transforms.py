@@ -169,6 +169,9 @@ def test_forward_ad_dual_tensors(device, dtype):
 COMPILED_AUTOGRAD_CASES = {c.name: (c.module, c.ours_module, c.module_args, c.node) for c in ONE_PER_OP}
 
 
+# One op in the quick tier: the node's compiled-autograd code is one template over the table's
+# rows, and each case compiles for seconds; --rest runs every op.
+@pytest.mark.quick(cover=())
 @pytest.mark.parametrize("case", COMPILED_AUTOGRAD_CASES)
 def test_compiled_autograd_traces_the_node(case):
     """Compiled autograd captures the node (its apply_with_saved puts a call

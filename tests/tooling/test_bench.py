@@ -29,14 +29,19 @@ TINY = ["--device", "cpu", "--rounds", "3", "--budget", "0.01", "--no-progress",
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The rounds of `result`'s run: two give a median and ratios of rounds as well as more would.
+ROUNDS = 2
+
+
 # Session-scoped: a module-scoped one is set up again whenever pytest-xdist runs another
 # module's test between two of these (their xdist_group keeps them on one worker).
 @pytest.fixture(scope="session")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     res = cli.main(["--device", "cpu", "--dtypes", "float32,bfloat16", "--sizes", "1024,4099", "--quick",
-                    "--rounds", "3", "--budget", "0.01", "--impls", "torch,torch_out,compile,seed,relu_ext,installed",
-                    "--out", str(out), "--name", "t", "--no-progress", "--malloc", "as-is"])
+                    "--rounds", str(ROUNDS), "--budget", "0.01",
+                    "--impls", "torch,torch_out,compile,seed,relu_ext,installed", "--out", str(out),
+                    "--name", "t", "--no-progress", "--malloc", "as-is"])
     return res, out
 
 
@@ -126,7 +131,7 @@ def test_kernel_rows_schema_and_arithmetic(result):
     assert {(r["dtype"], r["numel"]) for r in rows} == {(d, n) for d in ("float32", "bfloat16") for n in (1024, 4099)}
     assert {r["case"] for r in rows} == set(peers.CASES)
     for r in rows:
-        check_row(r, 3, res["config"]["max_spread"])
+        check_row(r, ROUNDS, res["config"]["max_spread"])
         e = 4 if r["dtype"] == "float32" else 2
         n, m = r["numel"], (r["numel"] + 7) // 8
         ext = r["results"]["relu_ext"]["bytes"]
@@ -157,7 +162,7 @@ def test_small_memory_models_sections(result):
     for r in res["small"]:
         want = {"torch", "seed", "relu_ext", "installed"} | (set() if r["case"].startswith("module") else {"compile"})
         assert set(r["results"]) == want, r["case"]
-        check_row(r, 3, res["config"]["max_spread"])
+        check_row(r, ROUNDS, res["config"]["max_spread"])
     per = {r["dtype"]: r["bytes_per_element"] for r in res["memory"]["saved_per_element"]}
     # nn.ReLU keeps its output, the tutorial Function its input, relu_ext 1 bit.
     assert per["float32"]["torch"] == 4 and per["bfloat16"]["torch"] == 2
@@ -171,7 +176,7 @@ def test_small_memory_models_sections(result):
         for m in row["results"].values():
             assert m["held_bytes"] > 0 and m["peak_bytes"] >= 0  # tiny quick models can be below RSS resolution
             assert math.isclose(m["held_vs_torch"], m["held_bytes"] / base["held_bytes"])
-            assert len(m["rounds_s"]) == 3
+            assert len(m["rounds_s"]) == ROUNDS
             assert math.isclose(m["vs_torch"], statistics.median(a / b for a, b in zip(m["rounds_s"], base["rounds_s"])))
         # save_compact()'s host time per saved tensor: its configurations have one, the others none.
         timed = {c for c, m in row["results"].items() if m.get("hook_us_per_saved", 0) > 0}
@@ -187,7 +192,7 @@ def test_small_memory_models_sections(result):
     assert held[("t5_relu", "float32")]["install"] < held[("t5_relu", "float32")]["nn.ReLU"]
     for row in res["models"]:
         r, t = row["results"]["relu_ext"], row["results"]["torch"]
-        assert len(r["rounds_s"]) == 3
+        assert len(r["rounds_s"]) == ROUNDS
         assert math.isclose(r["vs_torch"], statistics.median(a / b for a, b in zip(r["rounds_s"], t["rounds_s"])))
     text = report.format_tables(res)
     assert "kernels:" in text and "small tensors" in text and "training step" in text and "trust:" in text
@@ -290,7 +295,7 @@ def test_family_rows(result):
     assert {(r["dtype"], r["numel"]) for r in rows} == {(d, n) for d in ("float32", "bfloat16") for n in (1024, 4099)}
     assert {r["case"] for r in rows} == set(peers.FAMILY_CASES)
     for r in rows:
-        check_row(r, 3, res["config"]["max_spread"])
+        check_row(r, ROUNDS, res["config"]["max_spread"])
         assert set(r["results"]) == {"torch", "relu_ext"}
         e = 4 if r["dtype"] == "float32" else 2
         n, m = r["numel"], (r["numel"] + 7) // 8
