@@ -192,6 +192,24 @@ def test_onnx_export_writes_standard_relu(tmp_path, inplace, dynamo):
         torch.testing.assert_close(torch.from_numpy(out), ref(x), rtol=1e-5, atol=1e-5)
 
 
+def test_onnx_export_below_opset_9_writes_standard_relu(tmp_path):
+    """Below opset 9, where PyTorch's own symbolics start, relu_ext's ReLU still exports as ONNX's Relu
+    (relu_ext's own symbolic; the TorchScript exporter)."""
+    model, ref = _convnet(relu_ext.ReLU, False), _convnet(torch.nn.ReLU, False)
+    x = _x((2, 3, 8, 8))
+    for opset in (7, 8):
+        path = str(tmp_path / f"model{opset}.onnx")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (x,), path, dynamo=False, opset_version=opset)
+        node_types = [n.op_type for n in onnx.load(path).graph.node]
+        assert node_types.count("Relu") == 2 and not any("relu_ext" in t for t in node_types), (opset, node_types)
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(out), ref(x), rtol=1e-5, atol=1e-5)
+
+
 # --- torch.fx ----------------------------------------------------------------------------
 
 
