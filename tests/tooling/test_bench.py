@@ -85,6 +85,7 @@ def _malloc_interposed() -> bool:
     return used != glibc
 
 
+@pytest.mark.full  # a process per mode
 @pytest.mark.parametrize("mode", ["steady", "as-is"])
 def test_steady_malloc_keeps_large_blocks_in_the_heap(mode):
     """glibc's default gives a 64 MiB block its own mmap (fresh pages, one
@@ -554,6 +555,7 @@ def test_compiled_section(monkeypatch):
     assert "held vs eager" not in report.format_tables(res)
 
 
+@pytest.mark.full  # compiles two models
 def test_compiled_configurations_run_what_they_say():
     """compile relu_ext: a copy with relu_ext's modules (the model itself keeps nn.ReLU), the
     same loss bit for bit as compile nn.ReLU; eager configurations run the model itself."""
@@ -656,6 +658,7 @@ def test_user_model_runs_every_configuration(user_model, monkeypatch):
                for s in specs)
 
 
+@pytest.mark.full  # a peak worker's process
 def test_peak_worker_finds_the_user_model(user_model):
     """A fresh process, which has the folder only through the spec's path."""
     name, folder = user_model
@@ -726,6 +729,7 @@ def test_models_whose_package_is_missing_are_skipped(monkeypatch):
     assert cli.configure(["--device", "cpu", "--what", "kernels", "--models", "resnet18"])[1]["skipped_models"] == {}
 
 
+@pytest.mark.full  # a --quick run in a process of its own
 def test_quick_run_without_torchvision_and_transformers(tmp_path):
     """A whole process tree (the run and any worker) in which neither package imports: the models
     that need them are skipped, each with one line, and the rest runs."""
@@ -912,6 +916,7 @@ def test_gpu_models_runs_every_configuration_on_the_cpu(tmp_path):
         gm.main(["--device", "cpu", "--cases", "resnet50:float16"])
 
 
+@pytest.mark.full  # real models through every configuration
 def test_gpu_models_goes_on_after_a_failed_configuration(monkeypatch):
     """A configuration that raises (a compile error on some GPU) is recorded, and the others run."""
     gm = gpu_models()

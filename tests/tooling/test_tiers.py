@@ -33,20 +33,17 @@ def _functions(ids: list[str]) -> set[str]:
     return {i.split("[")[0] for i in ids}
 
 
-def test_the_quick_tier_is_bounded():
-    quick = _collected()
-    assert 300 <= len(quick) <= QUICK_TIER_BOUND, f"the quick tier collects {len(quick)} tests"
-
-
-@pytest.mark.full
-def test_the_quick_tier_keeps_every_test_function(tmp_path):
-    """... and `--rest` runs exactly what the full tier adds to it."""
+@pytest.mark.full  # two collections of the whole suite
+def test_the_quick_tier_is_bounded_and_keeps_every_test_function(tmp_path):
+    """The quick tier stays within its bound and keeps every test function the full tier has (but
+    those marked `full`), and `--rest` runs exactly what the full tier adds to it."""
     tiers_file = tmp_path / "tiers.txt"
     full = _collected("--full", f"--tiers-to={tiers_file}")
     tags = {nodeid: flags for flags, nodeid in (line.split(" ", 1) for line in tiers_file.read_text().splitlines())}
     assert list(tags) == full
     quick, rest, full_only = ([i for i in full if tags[i][k] == "1"] for k in range(3))
     assert quick == _collected()  # what a plain run collects
+    assert 300 <= len(quick) <= QUICK_TIER_BOUND, f"the quick tier collects {len(quick)} tests"
     assert set(quick) < set(full)
     assert set(rest) <= set(full) and not set(quick) & set(rest)
     # --rest runs what --full adds to the quick tier, but for tests with quick(rest=...).
