@@ -78,6 +78,14 @@ using relu_ext::kWarps;
 // --- one warp as 32 fibers -----------------------------------------------------
 
 constexpr int kLanes = 32;
+// Each lane's stack. AddressSanitizer clears the shadow of a whole stack at
+// every swapcontext into it, so the run's time grows with this size; the
+// kernels use about 2 KiB. The lowest kStackGuard bytes are painted once and
+// checked at the end (stack_guards_intact): a lane that came near the end
+// fails the run instead of writing past it unseen.
+constexpr size_t kStack = 16 * 1024;
+constexpr size_t kStackGuard = 4 * 1024;
+constexpr char kPaint = char(0xCD);
 ucontext_t scheduler;
 ucontext_t lane_ctx[kLanes];
 std::vector<char> stacks[kLanes];
@@ -129,9 +137,16 @@ T __shfl_xor_sync(uint32_t mask, T value, int lane_mask) {
 
 namespace {
 
+bool stack_guards_intact() {
+  for (const auto& st : stacks) {
+    if (!st.empty() && std::any_of(st.begin(), st.begin() + kStackGuard, [](char c) { return c != kPaint; })) return false;
+  }
+  return true;
+}
+
 void run_warp(unsigned block, unsigned warp) {
   for (int lane = 0; lane < kLanes; ++lane) {
-    stacks[lane].resize(256 * 1024);
+    if (stacks[lane].empty()) stacks[lane].assign(kStack, kPaint);
     getcontext(&lane_ctx[lane]);
     lane_ctx[lane].uc_stack.ss_sp = stacks[lane].data();
     lane_ctx[lane].uc_stack.ss_size = stacks[lane].size();
@@ -780,6 +795,7 @@ int main(int argc, char** argv) try {
   check_bn_dtype<double, uint64_t, relu_ext::kInfF64>("float64");
   check_bn_dtype<c10::Half, uint16_t, relu_ext::kInfF16>("float16");
   check_bn_dtype<c10::BFloat16, uint16_t, relu_ext::kInfBF16>("bfloat16");
+  if (!stack_guards_intact()) fail("a lane's stack came within kStackGuard bytes of its end: raise kStack");
   std::printf("emulation: all passed (%ld checks)\n", checks);
   return 0;
 } catch (const std::exception& e) {  // c10::Error: an argument Scalar::to<T> cannot convert (as PyTorch raises)
