@@ -136,8 +136,7 @@ void bn_act_cuda(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor&
       int* dp = differ.defined() ? differ.data_ptr<int>() : nullptr;
       const auto go = [&](auto index) {
         using I = decltype(index);
-        const auto kernel = dp != nullptr ? bn_act_kernel<Act, T, true, I> : bn_act_kernel<Act, T, false, I>;
-        launch(kernel, n, x.get_device(), stream, input(x, alpha, beta), input(x2, alpha2, beta2), I(inner),
+        launch(bn_act_kernel<Act, T, I>, n, x.get_device(), stream, input(x, alpha, beta), input(x2, alpha2, beta2), I(inner),
                I(channels), I(n), p, yp, dp);
       };
       n < (int64_t(1) << 31) ? go(uint32_t{}) : go(int64_t{});

@@ -228,10 +228,12 @@ RELU_HD bool bits_differ(T a, T b) {
 }
 
 // y = act(BN(x) [+ BN2(x2)]) over n elements, one per thread and step
-// (grid-stride); with kVerify, y is only read and *differ set to 1 where an
-// element differs. Offsets in I: uint32_t below 2^31 elements (its two
-// divisions per element are a fraction of 64-bit ones'), else int64_t.
-template <typename Act, typename T, bool kVerify, typename I>
+// (grid-stride); with a differ flag, y is only read and *differ set to 1
+// where an element differs. (A flag, not a template parameter: the branch is
+// the same for every thread, and one kernel for both halves the device code
+// every architecture compiles.) Offsets in I: uint32_t below 2^31 elements
+// (its two divisions per element are a fraction of 64-bit ones'), else int64_t.
+template <typename Act, typename T, typename I>
 __global__ void __launch_bounds__(kThreads)
 bn_act_kernel(BnInput<T> in, BnInput<T> in2, I inner, I channels, I n, typename Act::template Params<T> p, T* y,
               int* differ) {
@@ -241,10 +243,10 @@ bn_act_kernel(BnInput<T> in, BnInput<T> in2, I inner, I channels, I n, typename 
     T v = bn_transform(in, o, c, channels);
     if (in2.x != nullptr) v = from_m<T>(rn_fma(to_m(v), OpMath<T>(1), to_m(bn_transform(in2, o, c, channels))));
     const T r = Act::template forward<true>(v, p);
-    if constexpr (kVerify) {
-      if (bits_differ(r, y[o])) *differ = 1;
-    } else {
+    if (differ == nullptr) {
       y[o] = r;
+    } else if (bits_differ(r, y[o])) {
+      *differ = 1;
     }
   }
 }

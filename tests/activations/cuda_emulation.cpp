@@ -724,9 +724,9 @@ void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, bool wide, un
     Buffer<U> ys(kGuard + n + kGuard, poison);
     T* y = reinterpret_cast<T*>(ys.data + kGuard);
     if (wide) {  // (the launcher's choice from 2^31 elements up)
-      launch(relu_ext::bn_act_kernel<Act, T, false, int64_t>, grid, in, in2, inner, C, n, p, y, static_cast<int*>(nullptr));
+      launch(relu_ext::bn_act_kernel<Act, T, int64_t>, grid, in, in2, inner, C, n, p, y, static_cast<int*>(nullptr));
     } else {
-      launch(relu_ext::bn_act_kernel<Act, T, false, uint32_t>, grid, in, in2, uint32_t(inner), uint32_t(C),
+      launch(relu_ext::bn_act_kernel<Act, T, uint32_t>, grid, in, in2, uint32_t(inner), uint32_t(C),
              uint32_t(n), p, y, static_cast<int*>(nullptr));
     }
     for (int64_t o = 0; o < n; ++o) expect(ys.data[kGuard + o] == want[o], "replay value", name, n, o);
@@ -739,9 +739,9 @@ void check_bn(int64_t N, int64_t C, int64_t S, bool channels_last, bool wide, un
       int differ = 0;
       T* y_real = reinterpret_cast<T*>(real.data());
       if (wide) {
-        launch(relu_ext::bn_act_kernel<Act, T, true, int64_t>, grid, in, in2, inner, C, n, p, y_real, &differ);
+        launch(relu_ext::bn_act_kernel<Act, T, int64_t>, grid, in, in2, inner, C, n, p, y_real, &differ);
       } else {
-        launch(relu_ext::bn_act_kernel<Act, T, true, uint32_t>, grid, in, in2, uint32_t(inner), uint32_t(C),
+        launch(relu_ext::bn_act_kernel<Act, T, uint32_t>, grid, in, in2, uint32_t(inner), uint32_t(C),
                uint32_t(n), p, y_real, &differ);
       }
       expect(differ == (flip >= 0 ? 1 : 0), "replay check", name, n, flip);
