@@ -57,6 +57,7 @@
 #include <type_traits>
 
 #include <ATen/OpMathType.h>
+#include <ATen/core/ATen_fwd.h>  // at::Tensor, declared (the kernels' headers stay light for nvcc)
 #include <c10/core/Scalar.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/BFloat16.h>

@@ -1,8 +1,7 @@
 // save_compact's native side: compaction by a bitmap and the BatchNorm
-// replay: the kernels (compact_cpu.cpp, replay_cpu.cpp and cuda.cu) that their
-// ops (schema and CPU / CUDA wrappers: ops.cpp; autograd kernels: autograd.cpp)
-// call. Light on purpose: cuda.cu includes it, and nvcc parses each header in
-// several passes, one of them per GPU architecture.
+// replay: the kernels (compact_cpu.cpp, replay_cpu.cpp; on CUDA cuda_host.cpp,
+// which launches cuda.cu's) that their ops (schema and CPU / CUDA wrappers:
+// ops.cpp; autograd kernels: autograd.cpp) call.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -81,7 +80,7 @@ bool bn_act_cpu(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& 
 
 
 #ifdef WITH_CUDA
-// The CUDA replay (cuda.cu): bn_act_cpu's contract with PyTorch's CUDA
+// The CUDA replay (cuda_host.cpp): bn_act_cpu's contract with PyTorch's CUDA
 // transform and terms (bn_terms on CUDA: alpha = [weight; invstd], beta =
 // [mean; bias], 2 x C); with `differ` (an int32 scalar on x's device), the
 // comparison sets it to 1 where an element differs, else y is written.

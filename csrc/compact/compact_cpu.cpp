@@ -508,7 +508,7 @@ int64_t compact_from(const at::Tensor& y, const uint8_t* mask, const std::vector
                      const at::Tensor& values) {
   const int64_t n = y.numel();
   std::vector<int64_t> missed(start.size(), 0);
-  dispatch_width(y, [&](auto u) {
+  dispatch_width(y.element_size(), [&](auto u) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(y.const_data_ptr());
     U* out = static_cast<U*>(values.data_ptr());
@@ -556,7 +556,7 @@ void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor&
   const std::vector<int64_t> start = chunk_starts(mask, n, set != kScalar);
   TORCH_CHECK(start.back() == total, "relu_ext::expand: the mask keeps ", start.back(), " elements but values has ",
               total);
-  dispatch_width(out, [&](auto u) {
+  dispatch_width(out.element_size(), [&](auto u) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(values.const_data_ptr());
     U* dst = static_cast<U*>(out.data_ptr());
@@ -688,7 +688,7 @@ RELU_EXT_AVX2 void fill_chunk_avx2(const uint8_t* mask, int64_t n, int64_t b0, i
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask) {
   const int64_t n = y.numel();
   const Isa set = cpu_kernels();
-  dispatch_width(y, [&](auto u) {
+  dispatch_width(y.element_size(), [&](auto u) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(y.const_data_ptr());
     for_each_chunk(n, [&](int64_t, int64_t b0, int64_t b1) {
@@ -705,7 +705,7 @@ bool binary_mask_cpu(const at::Tensor& y, uint8_t* mask, const at::Tensor& value
   const int64_t n = y.numel();
   const Isa set = cpu_kernels();
   std::atomic<bool> other{false};
-  dispatch_width(y, [&](auto u) {
+  dispatch_width(y.element_size(), [&](auto u) {
     using U = decltype(u);
     const U* in = static_cast<const U*>(y.const_data_ptr());
     int64_t first = 0;
@@ -729,7 +729,7 @@ bool binary_mask_cpu(const at::Tensor& y, uint8_t* mask, const at::Tensor& value
 void binary_expand_cpu(const uint8_t* mask, const at::Tensor& value, const at::Tensor& out) {
   const int64_t n = out.numel();
   const Isa set = cpu_kernels();
-  dispatch_width(out, [&](auto u) {
+  dispatch_width(out.element_size(), [&](auto u) {
     using U = decltype(u);
     U v;
     std::memcpy(&v, value.const_data_ptr(), sizeof(U));

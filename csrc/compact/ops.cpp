@@ -36,7 +36,7 @@ void check_compaction_mask(const at::Tensor& mask, const at::Tensor& t, const ch
               " but the tensor has ", t.numel(), " elements, which need a contiguous 1-D mask of ", need, " bytes");
 }
 
-// The CPU kernels are compact_cpu.cpp's, the CUDA ones cuda.cu's.
+// The CPU kernels are compact_cpu.cpp's, the CUDA ones cuda_host.cpp's.
 std::tuple<at::Tensor, at::Tensor> compact(const at::Tensor& y, const at::Tensor& mask) {
   check_compactable(y, "relu_ext::compact", "y");
   check_compaction_mask(mask, y, "relu_ext::compact");

@@ -17,7 +17,8 @@
 #include <string>
 #include <type_traits>
 
-#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 
 #if defined(__CUDACC__)
 #define RELU_HD __host__ __device__ __forceinline__
@@ -60,25 +61,25 @@ struct Format {
 // Calls `fn(Format<U, kInf>{})` for the float format of `dtype` (a tag, so a
 // C++17 generic lambda can take it).
 template <typename Fn>
-void dispatch_bits(at::ScalarType dtype, Fn&& fn) {
+void dispatch_bits(c10::ScalarType dtype, Fn&& fn) {
   switch (dtype) {
-    case at::kHalf: fn(Format<uint16_t, kInfF16>{}); break;
-    case at::kBFloat16: fn(Format<uint16_t, kInfBF16>{}); break;
-    case at::kFloat: fn(Format<uint32_t, kInfF32>{}); break;
-    case at::kDouble: fn(Format<uint64_t, kInfF64>{}); break;
+    case c10::kHalf: fn(Format<uint16_t, kInfF16>{}); break;
+    case c10::kBFloat16: fn(Format<uint16_t, kInfBF16>{}); break;
+    case c10::kFloat: fn(Format<uint32_t, kInfF32>{}); break;
+    case c10::kDouble: fn(Format<uint64_t, kInfF64>{}); break;
     default: TORCH_CHECK(false, "relu_ext: unsupported dtype ", dtype);
   }
 }
 
-// Calls fn(U{}) with the unsigned integer of `t`'s element width (the
+// Calls fn(U{}) with the unsigned integer of an element's width in bytes (the
 // compaction kernels move elements as such integers).
 template <typename Fn>
-void dispatch_width(const at::Tensor& t, Fn&& fn) {
-  switch (t.element_size()) {
+void dispatch_width(int64_t width, Fn&& fn) {
+  switch (width) {
     case 2: fn(uint16_t{}); break;
     case 4: fn(uint32_t{}); break;
     case 8: fn(uint64_t{}); break;
-    default: TORCH_CHECK(false, "relu_ext: no compaction for elements of ", t.element_size(), " bytes");
+    default: TORCH_CHECK(false, "relu_ext: no compaction for elements of ", width, " bytes");
   }
 }
 

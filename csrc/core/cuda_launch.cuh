@@ -17,8 +17,6 @@
 
 namespace relu_ext {
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Blocks of kThreads for `threads_needed` threads, at most cuda_waves() times as
 // many as fit on the current device at once (asked of the CUDA runtime once
 // per kernel and device: it depends on the kernel's registers); the

@@ -1,6 +1,7 @@
 // The CUDA kernels' launch knobs, for tests and tuning (set from Python,
 // module.cpp; kept in cuda_launch.cpp, a C++ file: nvcc would parse its
-// headers once per GPU architecture); their use: cuda_launch.cuh.
+// headers once per GPU architecture); their use: cuda_launch.cuh. And the
+// alignment test by which the entry points (*/cuda_host.cpp) pick the vector kernels.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,9 @@
 namespace relu_ext {
 
 #ifdef WITH_CUDA
+// Whether the vector kernels can take data at p (16-byte loads and stores).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Rows per warp and loop iteration when not set otherwise (set_cuda_unroll). 4:
 // more bytes in flight per thread is what lets the 16-bit forwards approach a
 // copy's bandwidth (docs/performance.md, "CUDA unroll").
