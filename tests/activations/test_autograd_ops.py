@@ -95,6 +95,7 @@ def _no_nan(n, dtype, device, seed):
     return torch.where(x.isnan(), torch.ones_like(x), x)
 
 
+@pytest.mark.quick(cover=("device",))  # opcheck takes 5-10 s a dtype; the dtypes' kernels have their own tests
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_opcheck_functional_ops(device, dtype):

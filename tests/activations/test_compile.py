@@ -123,6 +123,7 @@ assert all(torch.equal(a, b) for a, b in zip(out, want)), out
 """
 
 
+@pytest.mark.quick(cover=())  # one order: each is a process that imports inductor (~20 s)
 @pytest.mark.parametrize("inductor_first", [False, True])
 def test_inductor_runs_ops_that_have_a_decomposition_with_ci_set(tmp_path, inductor_first):
     """With the CI environment variable set, inductor refuses an implicit fallback for an op that

@@ -139,6 +139,7 @@ def test_eager_quantization_of_a_converted_model_is_pytorchs(qat):
     assert torch.equal(ours[2].int_repr(), theirs[2].int_repr()) if ours[2].is_quantized else torch.equal(ours[2], theirs[2])
 
 
+@pytest.mark.quick(cover=())  # resnet18: a real quantizable model takes 10-20 s
 @pytest.mark.parametrize("arch", ["resnet18", "mobilenet_v2"])
 def test_torchvisions_quantizable_models_fuse_and_train_as_pytorchs(arch):
     tv = pytest.importorskip("torchvision")

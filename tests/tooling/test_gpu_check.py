@@ -189,6 +189,7 @@ def test_dry_run_follows_steps_and_quick(tmp_path):
 
 # --- the sanitizer's selection --------------------------------------------------------
 
+@pytest.mark.full  # a pytest collection in a process of its own (~10 s)
 def test_sanitizer_selection_is_collected_by_pytest():
     """Every entry is a node id (or file) that pytest collects, with no collection error."""
     selection = sanitizer_selection()

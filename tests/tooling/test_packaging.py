@@ -192,6 +192,7 @@ def test_one_libstdcxx_in_the_process():
 
 @pytest.mark.skipif(not (ROOT / "setup.py").exists() or not sys.platform.startswith("linux"),
                     reason="not run from a Linux source tree")
+@pytest.mark.full  # two setup.py processes (~10 s)
 def test_setup_links_torchs_libstdcxx_for_a_compiler_without_one(tmp_path):
     """A compiler whose -print-file-name=libstdc++.so finds no shared library gets the
     libstdc++ torch runs with on its link line; a normal compiler gets nothing added."""

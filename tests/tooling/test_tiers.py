@@ -126,6 +126,7 @@ def test_other(k):
 """
 
 
+@pytest.mark.full  # a pytest-xdist run in a process of its own (~8 s)
 def test_pytest_xdist_keeps_a_group_on_one_worker(tmp_path):
     """`--dist loadgroup` sends the tests of one `xdist_group` to one worker, so a session fixture
     behind them (the benchmark run in tests/tooling/test_bench.py) is made once. pytest-xdist 3.8
