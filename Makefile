@@ -36,7 +36,7 @@ BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*/*) $(wildcard src/relu_ext/*.py src/relu_ext/compact/*.py src/relu_ext/bench/*.py)
 
 .PHONY: test test-full test-rest test-sanitize test-torch-old test-package wheel bench bench-results build deps \
-	deps-torch-old clean \
+	deps-torch-old package-venv clean \
 	distclean uninstall
 
 # The README's test command: the quick tier.
@@ -139,22 +139,27 @@ wheel: $(WHEEL_STAMP)
 
 # The package leg: the release wheel (every architecture: the one build of CI that compiles
 # them all). A wheel build in pip's default isolated environment stops with the explanation
-# instead of compiling; the wheel installs with plain pip into a fresh venv (torch from its
-# requirement), imports every module, and passes the quick tier of two files from the
-# unpacked sdist's root.
-PKG_PY := $(WHL)/venv/bin/python
-test-package: $(WHEEL_STAMP)
+# instead of compiling; the wheel installs with plain pip into a fresh venv, imports every
+# module, and passes the quick tier of two files from the unpacked sdist's root. The venv gets
+# torch (the version the wheel pins) and pytest while the wheel compiles: pip is one core's
+# work and the disk's, and then finds the wheel's requirement satisfied.
+PKG_VENV := build/package-venv
+PKG_PY := $(PKG_VENV)/bin/python
+package-venv:
+	rm -rf $(PKG_VENV) && $(PYTHON) -m venv $(PKG_VENV)
+	$(PKG_PY) -m pip install -q torch==$(TORCH_VERSION) pytest
+test-package:
+	$(MAKE) -j2 --output-sync=target $(WHEEL_STAMP) package-venv
 	! $(PY) -m build --wheel --outdir $(WHL)/isolated $(WHL)/relu_ext-*/ > $(WHL)/isolated.log 2>&1
 	grep -q 'no-build-isolation' $(WHL)/isolated.log
-	rm -rf $(WHL)/venv && $(PYTHON) -m venv $(WHL)/venv
-	$(PKG_PY) -m pip install -q $(WHL)/relu_ext-*.whl pytest
+	$(PKG_PY) -m pip install -q $(WHL)/relu_ext-*.whl
 	$(PKG_PY) -c "import pkgutil, importlib, relu_ext; \
 		names = [m.name for m in pkgutil.walk_packages(relu_ext.__path__, 'relu_ext.')]; \
 		names = [n for n in names if not n.endswith('__main__')]; \
 		[importlib.import_module(n) for n in names]; print('imported', len(names), 'modules of relu_ext')"
 	cd $(WHL)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider \
 		tests/activations/test_exact.py tests/tooling/test_packaging.py
-	rm -rf $(WHL)/venv
+	rm -rf $(PKG_VENV)
 
 clean:
 	rm -rf build dist src/*.egg-info src/relu_ext/*.so src/relu_ext/_build_config.py $(BUILD_STAMP)
