@@ -382,11 +382,6 @@ template <typename Act>
 void act_forward_cuda(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
 template <typename Act>
 void act_backward_cuda(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in, const ActArgs& args);
-template <>
-void act_forward_cuda<Relu>(const at::Tensor& x, const at::Tensor& y, uint8_t* mask, const ActArgs& args);
-template <>
-void act_backward_cuda<Relu>(const at::Tensor& grad, const uint8_t* mask, const at::Tensor& grad_in,
-                             const ActArgs& args);
 #endif
 
 }  // namespace relu_ext

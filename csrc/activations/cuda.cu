@@ -9,8 +9,9 @@
 
 namespace relu_ext {
 
-void relu_forward_launch(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream, const void* x,
-                         void* y, uint8_t* mask) {
+template <>
+void act_forward_launch<Relu>(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream,
+                              const void* x, void* y, uint8_t* mask, const ActArgs&) {
   dispatch_bits(dtype, [&](auto fmt) {
     using U = typename decltype(fmt)::U;
     launch_elementwise<U, true>(
@@ -26,8 +27,9 @@ void relu_int_launch(c10::ScalarType dtype, int64_t n, int device, cudaStream_t 
   });
 }
 
-void relu_backward_launch(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream,
-                          const void* grad, const uint8_t* mask, void* grad_in) {
+template <>
+void act_backward_launch<Relu>(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream,
+                               const void* grad, const uint8_t* mask, void* grad_in, const ActArgs&) {
   dispatch_bits(dtype, [&](auto fmt) {
     using U = typename decltype(fmt)::U;
     launch_elementwise<U, true>(

@@ -13,21 +13,23 @@
 
 namespace relu_ext {
 
-// ReLU's forward and backward on the raw bits of a float dtype, n > 0
-// elements; vec: every pointer is 16-byte aligned (the vector kernels).
-void relu_forward_launch(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream, const void* x,
-                         void* y, uint8_t* mask);
-void relu_backward_launch(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream,
-                          const void* grad, const uint8_t* mask, void* grad_in);
-// ReLU on an integer dtype, n > 0 elements.
-void relu_int_launch(c10::ScalarType dtype, int64_t n, int device, cudaStream_t stream, const void* x, void* y);
-// A family activation's forward and backward (instantiated for RELU_EXT_FAMILY).
+// An activation's forward and backward on a float dtype, n > 0 elements;
+// vec: every pointer is 16-byte aligned (the vector kernels). ReLU's are its
+// own kernels on the raw bits, the family's the generic ones.
 template <typename Act>
 void act_forward_launch(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream, const void* x,
                         void* y, uint8_t* mask, const ActArgs& args);
 template <typename Act>
 void act_backward_launch(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream,
                          const void* grad, const uint8_t* mask, void* grad_in, const ActArgs& args);
+template <>
+void act_forward_launch<Relu>(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream,
+                              const void* x, void* y, uint8_t* mask, const ActArgs& args);
+template <>
+void act_backward_launch<Relu>(c10::ScalarType dtype, bool vec, int64_t n, int device, cudaStream_t stream,
+                               const void* grad, const uint8_t* mask, void* grad_in, const ActArgs& args);
+// ReLU on an integer dtype, n > 0 elements.
+void relu_int_launch(c10::ScalarType dtype, int64_t n, int device, cudaStream_t stream, const void* x, void* y);
 
 }  // namespace relu_ext
 #endif
