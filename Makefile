@@ -121,24 +121,26 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	$(PY) -c "import relu_ext; print('relu_ext build:', relu_ext.build_info())"
 	touch $@
 
-# The release build, once: the sdist (isolated, as a user's `python -m build --sdist` makes it),
-# and a wheel built from the unpacked sdist in this venv (no isolation: it must be compiled
-# against the installed torch; setup.py's full architecture list). The wheel pins torch's
-# major.minor.
+# The release build: the sdist (isolated, as a user's `python -m build --sdist` makes it), and
+# the wheel in this venv (no isolation: it must be compiled against the installed torch;
+# setup.py's full architecture list). The wheel pins torch's major.minor. It is built in this
+# tree, which holds what the sdist holds (tests/tooling/test_packaging.py: every tracked file
+# but the benchmark's results), so that it reuses the development build's objects: the C++
+# files compile once, and only the CUDA files again, for every architecture.
 WHL := build/wheel
 WHEEL_STAMP := $(WHL)/.built
 $(WHEEL_STAMP): $(DEPS_STAMP) $(SOURCES)
 	rm -rf $(WHL) && mkdir -p $(WHL)
 	$(PY) -m build --sdist --outdir $(WHL) .
 	tar -xzf $(WHL)/relu_ext-*.tar.gz -C $(WHL)
-	$(PY) -m build --wheel --no-isolation --outdir $(WHL) $(WHL)/relu_ext-*/
+	$(PY) -m build --wheel --no-isolation --outdir $(WHL) .
 	unzip -p $(WHL)/relu_ext-*.whl '*/METADATA' | tee $(WHL)/METADATA | grep -x 'Requires-Dist: torch==$(basename $(TORCH_VERSION)).\*'
 	grep -x 'License-Expression: BSD-3-Clause' $(WHL)/METADATA
 	touch $@
 wheel: $(WHEEL_STAMP)
 
 # The package leg: the release wheel (every architecture: the one build of CI that compiles
-# them all). A wheel build in pip's default isolated environment stops with the explanation
+# them all; after `make test`, its C++ objects are that build's). A wheel build in pip's default isolated environment stops with the explanation
 # instead of compiling; the wheel installs with plain pip into a fresh venv, imports every
 # module, and passes the quick tier of two files from the unpacked sdist's root. The venv gets
 # torch (the version the wheel pins) and pytest while the wheel compiles: pip is one core's

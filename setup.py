@@ -225,12 +225,25 @@ else:
         "CUDA_ARCH_SOURCE": ARCH_SOURCE,
     }
 
+    NATIVE_TEMP = os.path.join("build", "native", f"torch-{torch.__version__}-{sys.implementation.cache_tag}")
+
     class build_ext(BuildExtension.with_options(use_ninja=True)):
         """torch's build, then `_build_config.py` beside the native module.
 
         The package reads it before it loads the native module, so a torch
         of another major.minor gets a clear ImportError instead of a crash.
+
+        The objects stay in one folder per torch and Python (NATIVE_TEMP), whichever
+        command builds: ninja then compiles again only what changed, by content of the
+        command line or by the files it read. A development build after an edit redoes
+        one file, and the release wheel built in the same tree after it compiles only the
+        CUDA files again, for its longer list of architectures (pip's editable build
+        would otherwise use a new temporary folder each time).
         """
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            self.build_temp = NATIVE_TEMP
 
         def build_extension(self, ext) -> None:
             compile_ = self.compiler.compile  # (torch's ninja build, set by build_extensions)
