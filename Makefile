@@ -32,22 +32,25 @@ DEPS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION) transformers
 	ninja numpy pytest==9.1.1 pytest-xdist==3.8.0 build hypothesis expecttest matplotlib onnx onnxruntime onnxscript
 DEPS_HASH := $(shell echo '$(DEPS)' | cksum | cut -d' ' -f1)
 DEPS_STAMP := $(VENV)/.deps-$(DEPS_HASH)
+# What the build needs; the rest of DEPS installs while it compiles (`ready`).
+BUILD_DEPS := torch==$(TORCH_VERSION) ninja numpy
+TORCH_STAMP := $(VENV)/.torch-$(DEPS_HASH)
 BUILD_STAMP := .stamp-build
 SOURCES := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*/*) $(wildcard src/relu_ext/*.py src/relu_ext/compact/*.py src/relu_ext/bench/*.py)
 
-.PHONY: test test-full test-rest test-sanitize test-torch-old test-package wheel bench bench-results build deps \
+.PHONY: ready test test-full test-rest test-sanitize test-torch-old test-package wheel bench bench-results build deps \
 	deps-torch-old package-venv clean \
 	distclean uninstall
 
 # The README's test command: the quick tier.
-test: $(BUILD_STAMP)
+test: ready
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
-test-full: $(BUILD_STAMP)
+test-full: ready
 	$(PY) -m pytest $(PYTEST_ARGS) --full tests
 
 # The full tier less the quick tier: CI's second leg, on make test's build.
-test-rest: $(BUILD_STAMP)
+test-rest: ready
 	$(PY) -m pytest $(PYTEST_ARGS) --rest tests
 
 # Builds the tracked sources in a scratch copy, so the main build stays.
@@ -99,10 +102,10 @@ test-torch-old: $(OLD_STAMP)
 
 # make bench writes to bench/out (git ignores it, each run its own name);
 # make bench-results into the committed bench/results, on purpose.
-bench: $(BUILD_STAMP)
+bench: ready
 	$(PY) -m relu_ext.bench --out bench/out $(BENCH_ARGS)
 
-bench-results: $(BUILD_STAMP)
+bench-results: ready
 	$(PY) -m relu_ext.bench --out bench/results $(BENCH_ARGS)
 	$(PY) bench/make_readme.py
 
@@ -110,13 +113,23 @@ build: $(BUILD_STAMP)
 
 deps: $(DEPS_STAMP)
 
-$(DEPS_STAMP):
+# The build and the rest of the dependencies side by side: the compile is both cores' work, pip's
+# install mostly one core's and the disk's. The build's pip and this one share the venv: the
+# second finds torch and its dependencies installed and adds packages beside them.
+ready:
+	$(MAKE) -j2 --output-sync=target $(BUILD_STAMP) $(DEPS_STAMP)
+
+$(TORCH_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q $(BUILD_DEPS)
+	touch $@
+
+$(DEPS_STAMP): $(TORCH_STAMP)
 	$(PY) -m pip install -q $(DEPS)
 	touch $@
 
-$(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
+$(BUILD_STAMP): $(TORCH_STAMP) $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -c "import relu_ext; print('relu_ext build:', relu_ext.build_info())"
 	touch $@
