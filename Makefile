@@ -156,9 +156,9 @@ wheel: $(WHEEL_STAMP)
 # them all; after `make test`, its C++ objects are that build's). A wheel build in pip's
 # default isolated environment stops with the explanation instead of compiling; the wheel
 # installs with plain pip into a fresh venv, imports every module, and passes the quick tier
-# of two files from the unpacked sdist's root. The venv gets
-# torch (the version the wheel pins) and pytest while the wheel compiles: pip is one core's
-# work and the disk's, and then finds the wheel's requirement satisfied.
+# of two files from the unpacked sdist's root. The venv gets torch (the version the wheel pins)
+# and pytest while the wheel compiles: pip is one core's work and the disk's, and then finds the
+# wheel's requirement satisfied.
 PKG_VENV := build/package-venv
 PKG_PY := $(PKG_VENV)/bin/python
 package-venv:
