@@ -7,7 +7,15 @@ import os
 from typing import Any
 
 import pytest
-import torch
+
+# pytest-xdist runs a worker per core here, and torch gives each worker an OpenMP thread per
+# core. libgomp's default wait spins at every barrier, so one worker's idle threads burn the core
+# the other worker needs: the suite ran several times slower. Passive waiting changes no result
+# and no code path, only how idle threads wait. libgomp reads it when it loads (import torch),
+# so it is set before that; a caller's own setting is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402  (after the OpenMP setting)
 
 import relu_ext
 import tiers
