@@ -4,6 +4,7 @@ other saved tensor as usual, with PyTorch's in-place check."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -256,6 +257,28 @@ def test_compacted_once_when_saved_by_several_nodes(relu, monkeypatch):
     # Expanded once for all its nodes, and not kept once the last has unpacked it.
     assert len(expands) == 1 and made[0].restored is None and made[0].pending == 0
     assert_bitwise_equal(grads[1], torch.autograd.grad((conv(RELUS[relu](x * 1)) * 2).sum(), conv.weight)[0])
+
+
+def test_forms_by_tensor_go_with_their_tensor():
+    """The pack hook's form of a tensor is found again while the tensor lives (saved again: the same
+    form), and held by nothing of the hook's once the tensor and the graph's reference are gone; a
+    new tensor under a freed one's id finds nothing (hooks._ByTensor)."""
+    sc = relu_ext.save_compact()
+    noise = torch.rand(64, 128) > 0.5  # (a bool tensor no node made: a TwoValued form)
+    form = sc.pack_hook(noise)
+    assert isinstance(form, forms.TwoValued) and sc.pack_hook(noise) is form
+    key, form_ref, tensor_ref = id(noise), weakref.ref(form), weakref.ref(noise)
+    del noise, form
+    assert tensor_ref() is None and form_ref() is None
+    assert key not in sc.pack_hook.__self__.cache.entries
+    by_tensor = hooks._ByTensor()
+    other = torch.zeros(3)
+    by_tensor.put(other, "other")
+    gone = torch.zeros(3)
+    by_tensor.entries[id(gone)] = (weakref.ref(other), "stale")  # (another tensor's entry under its id)
+    assert by_tensor.get(other) == "other" and by_tensor.get(gone) is None
+    del other
+    assert list(by_tensor.entries) == [id(gone)]  # (the entry under other's id went with it)
 
 
 def test_relu_ext_mask_is_reused(monkeypatch):

@@ -11,7 +11,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 from torch.nn import Parameter
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from .bits import _is_dense
 from .deferred import Deferred
@@ -203,16 +202,11 @@ class _Packer:
         self.lock = threading.RLock()
         self.unpack = _unpack_hook(weakref.ref(self))
         # Saved by several nodes (a ReLU output and the conv after it), a tensor
-        # is compacted once. Keyed by the tensor itself, weakly: data pointers
-        # are reused as soon as memory is freed. None: saved as it is.
-        self.cache: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        # The tensors saved as they are, counted once each: id -> weak reference,
-        # cheaper than a WeakTensorKeyDictionary for the many tensors the hook
-        # only counts (and than reading their versions: a tensor saved as it is
-        # holds its storage once, whatever it went through). Entries of dead
-        # tensors are pruned as it grows.
-        self.seen: dict[int, weakref.ref] = {}
-        self.prune_at = 1024
+        # is compacted once: tensor -> (its version, its form; None: saved as it is).
+        self.cache = _ByTensor()
+        # The tensors saved as they are, counted once each (not by version: a tensor
+        # saved as it is holds its storage once, whatever it went through).
+        self.seen = _ByTensor()
         # Integer tensors to narrow when the context exits (settle()): id -> its Narrowed,
         # which holds the tensor until then (so the id stays its own).
         self.ints: dict[int, Narrowed] = {}
@@ -251,15 +245,19 @@ class _Packer:
 
     def _pack(self, t: Tensor) -> Any:
         """`t`, no view standing for its base, in its form: each form made once per tensor and version."""
+        hit = self.cache.get(t)
+        if hit is not None and hit[1] is not None and hit[0] == t._version:
+            hit[1].pending += 1  # (saved again by another node: asked nothing more)
+            return hit[1]
         why = _why_kept(t, self.recompute)
         if why == "not_activation" and _narrowable(t):
             return self._narrowed(t)
-        rows = [row for row in FORMS if row.applies(t, why, self.recompute)]
+        rows = [row for row in FORMS if row.takes == why and row.applies(t, self.recompute)]
         if rows:
-            hit = self.cache.get(t)
             if hit is None or hit[0] != t._version:
                 # (Changed in place and saved again: a second form, counted again.)
-                hit = self.cache[t] = (t._version, self._form(t, rows))
+                hit = (t._version, self._form(t, rows))
+                self.cache.put(t, hit)
             if hit[1] is not None:
                 hit[1].pending += 1
                 return hit[1]
@@ -280,10 +278,8 @@ class _Packer:
 
     def _count_kept(self, t: Tensor, why: str) -> None:
         """Count `t`, saved as it is for `why`, once however many nodes save it."""
-        key = id(t)
-        ref = self.seen.get(key)
-        if ref is None or ref() is not t:
-            self.seen[key] = weakref.ref(t)
+        if self.seen.get(t) is None:
+            self.seen.put(t, True)
             base = t._base if t._base is not None else t
             # Held outside the graph: a parameter, a view of one, another leaf that requires grad; and
             # what no node made that something else still holds when the block exits (a buffer, the
@@ -294,10 +290,6 @@ class _Packer:
             self.stats.keep(why, t.nbytes, leaf)
             if outside and not leaf:
                 self.unmade.append((weakref.ref(base), t.nbytes))
-            if len(self.seen) > self.prune_at:
-                for dead in [k for k, r in self.seen.items() if r() is None]:
-                    del self.seen[dead]
-                self.prune_at = 2 * len(self.seen) + 1024
 
     def _form(self, t: Tensor, rows: list[Row]) -> _Shared | None:
         """`t` in the form of the first of `rows` (those of FORMS that apply to it) that can be made and
@@ -440,6 +432,36 @@ def _capturing() -> bool:
     or wait for it (an event query or synchronize would end the capture in an error), and no check
     made now could come back before the graph is replayed."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+class _ByTensor:
+    """A map from live tensors (their Python objects, by identity) to values, holding neither: an entry
+    goes when its tensor is freed. What torch's WeakTensorKeyDictionary does, without a Python key
+    object per lookup: the pack hook asks it of every saved tensor."""
+
+    __slots__ = ("entries", "me", "__weakref__")
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[weakref.ref, Any]] = {}
+        self.me = weakref.ref(self)  # (what each entry's callback finds this by: no cycle)
+
+    def get(self, t: Tensor) -> Any:
+        """The value put for `t` while it lives, else None."""
+        entry = self.entries.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def put(self, t: Tensor, value: Any) -> None:
+        """Map `t` to `value` until `t` is freed."""
+        key = id(t)
+        self.entries[key] = (weakref.ref(t, functools.partial(_ByTensor._drop, self.me, key)), value)
+
+    @staticmethod
+    def _drop(owner: weakref.ref, key: int, ref: weakref.ref) -> None:
+        """A tensor's weak reference `ref` died: drop its entry (not a newer one under its id)."""
+        self = owner()
+        entry = None if self is None else self.entries.get(key)
+        if entry is not None and entry[0] is ref:
+            del self.entries[key]
 
 
 class _Check:

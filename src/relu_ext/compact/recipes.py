@@ -43,13 +43,15 @@ class Made(NamedTuple):
 
 
 class Row(NamedTuple):
-    """A row of the table of forms: ``applies(t, why, recompute)`` (``why``: why the tensor would be
-    kept as it is, hooks._why_kept; None for an activation output worth keeping smaller), and
-    ``make(t, packer)``: the form and its check, or None where it cannot be made. A form declares its
-    ``kind`` (what it is counted as) and ``missed_as`` (why a tensor whose check failed is kept)."""
+    """A row of the table of forms: the tensors it ``takes`` (those hooks._why_kept would keep as they
+    are for that reason: None, an activation output worth keeping smaller, or "not_activation"),
+    ``applies(t, recompute)`` among those, and ``make(t, packer)``: the form and its check, or None
+    where it cannot be made. A form declares its ``kind`` (what it is counted as) and ``missed_as``
+    (why a tensor whose check failed is kept)."""
 
     form: type[_Shared]
-    applies: Callable[[Tensor, "str | None", bool], bool]
+    takes: str | None
+    applies: Callable[[Tensor, bool], bool]
     make: Callable[[Tensor, Packing], "Made | None"]
 
 
@@ -234,42 +236,41 @@ def _plain_dense(t: Tensor) -> bool:
             and t.numel() >= _MIN_NUMEL and _is_dense(t))
 
 
-def _output_of(t: Tensor, why: str | None, recompute: bool, name: str) -> bool:
+def _output_of(t: Tensor, recompute: bool, name: str) -> bool:
     """Whether a recipe of what other nodes keep applies to `t`, made by node `name` (``torch.cat``'s,
     ``max_pool2d``'s): a plain dense floating-point tensor on the CPU or CUDA, with recompute."""
-    return recompute and why == "not_activation" and _made_by(t) == name and t.is_floating_point() and _plain_dense(t)
+    return recompute and _made_by(t) == name and t.is_floating_point() and _plain_dense(t)
 
 
-def _a_concatenation(t: Tensor, why: str | None, recompute: bool) -> bool:
+def _a_concatenation(t: Tensor, recompute: bool) -> bool:
     """applies() of a concatenation in pieces."""
-    return _output_of(t, why, recompute, _CAT)
+    return _output_of(t, recompute, _CAT)
 
 
-def _a_max_pool_output(t: Tensor, why: str | None, recompute: bool) -> bool:
+def _a_max_pool_output(t: Tensor, recompute: bool) -> bool:
     """applies() of a max-pool output as its input at its indices."""
-    return _output_of(t, why, recompute, _MAX_POOL)
+    return _output_of(t, recompute, _MAX_POOL)
 
 
-def _after_a_batchnorm(t: Tensor, why: str | None, recompute: bool) -> bool:
+def _after_a_batchnorm(t: Tensor, recompute: bool) -> bool:
     """applies() of a replay: an activation output whose input is a BatchNorm's, with recompute."""
-    return why is None and recompute and _after_batchnorm(t.grad_fn)
+    return recompute and _after_batchnorm(t.grad_fn)
 
 
-def _zeros_mostly(t: Tensor, why: str | None, recompute: bool) -> bool:
+def _zeros_mostly(t: Tensor, recompute: bool) -> bool:
     """applies() of a compaction: an activation output that is mostly zeros (ReLU, ...)."""
-    return why is None and _mostly_zeros(t.grad_fn)
+    return _mostly_zeros(t.grad_fn)
 
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _two_valued_candidate(t: Tensor, why: str | None, recompute: bool) -> bool:
+def _two_valued_candidate(t: Tensor, recompute: bool) -> bool:
     """applies() of a bitmap (see TwoValued): a plain dense tensor of at least 4096 elements that no
     node made (an activation output is not), floating-point on the CPU (the kernels of binary_mask)
     or bool on the CPU or CUDA."""
     return (
-        why == "not_activation"
-        and t.grad_fn is None
+        t.grad_fn is None
         and not t.requires_grad
         and ((t.dtype in _FLOATS and t.device.type == "cpu") or t.dtype == torch.bool)
         and _plain_dense(t)
@@ -279,11 +280,12 @@ def _two_valued_candidate(t: Tensor, why: str | None, recompute: bool) -> bool:
 # The table of forms, in the order the pack hook tries them (the first that applies and does not miss
 # at once is kept). A concatenation that fails to extend the chain at once starts a new one; a replay
 # that misses falls back to compaction. Integer tensors are narrowed at the exit instead (Narrowed).
+# A row takes activation outputs worth keeping smaller (None) or the tensors that are no activation's.
 FORMS = (
-    Row(Concatenated, _a_concatenation, _extended),
-    Row(Concatenated, _a_concatenation, _chain_start),
-    Row(Pooled, _a_max_pool_output, _pooled),
-    Row(Replayed, _after_a_batchnorm, _replayed),
-    Row(Compacted, _zeros_mostly, _compacted),
-    Row(TwoValued, _two_valued_candidate, _two_valued),
+    Row(Concatenated, "not_activation", _a_concatenation, _extended),
+    Row(Concatenated, "not_activation", _a_concatenation, _chain_start),
+    Row(Pooled, "not_activation", _a_max_pool_output, _pooled),
+    Row(Replayed, None, _after_a_batchnorm, _replayed),
+    Row(Compacted, None, _zeros_mostly, _compacted),
+    Row(TwoValued, "not_activation", _two_valued_candidate, _two_valued),
 )
