@@ -382,7 +382,7 @@ class Concatenated(_Shared):
         """The saved tensor: the concatenation itself (verified equal to this) while it is alive and
         unchanged, else rebuilt."""
         t = self.saved()
-        return t if t is not None and t._version == self.saved_version else self.rebuild()
+        return t if t is not None and self.unchanged() else self.rebuild()
 
     def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting; the pieces are shared along a chain)."""
@@ -402,18 +402,18 @@ class Narrowed(_Shared):
     add bytes, not save them). ``measure()`` starts reading its range then, and ``settle()``
     decides once the range has come back (``measured()``)."""
 
-    __slots__ = ("tensor", "version", "dtype", "narrow", "range")
+    __slots__ = ("tensor", "dtype", "narrow", "range")
     kind = "narrowed"
 
     def __init__(self, t: Tensor) -> None:
         super().__init__(t, t.nbytes)
         self.tensor: Tensor | None = t
-        self.version, self.dtype, self.narrow = t._version, t.dtype, None
+        self.dtype, self.narrow = t.dtype, None
         self.range: Deferred | None = None
 
     def measure(self) -> None:
         """Start reading the tensor's smallest and largest value (see settle)."""
-        if self.tensor is not None and self.tensor._version == self.version:
+        if self.tensor is not None and self.tensor._version == self.saved_version:
             with STREAMS.on(self.stream):
                 self.range = Deferred(torch.stack(torch.aminmax(self.tensor)))
 
@@ -425,7 +425,7 @@ class Narrowed(_Shared):
         """Keep the narrowed copy instead of the tensor where that is exact and frees it; whether it did."""
         t, measured = self.tensor, self.range
         self.range = None
-        if t is None or measured is None or t._version != self.version:  # (changed: restore() raises PyTorch's error)
+        if t is None or measured is None or t._version != self.saved_version:  # (changed: restore() raises PyTorch's error)
             return False
         lo, hi = measured.ints()
         bits = torch.iinfo(t.dtype).bits
@@ -445,14 +445,14 @@ class Narrowed(_Shared):
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
         if self.tensor is not None:
-            _check_version(self.tensor, self.version, "checked by relu_ext.save_compact, which saved it as it was")
+            _check_version(self.tensor, self.saved_version, "checked by relu_ext.save_compact, which saved it as it was")
             return self.tensor
         assert self.narrow is not None
         return self.narrow.to(self.dtype)
 
     def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensor, until settled, is at the version it had."""
-        return self.tensor is None or self.tensor._version == self.version
+        return self.tensor is None or self.tensor._version == self.saved_version
 
     def _live(self) -> Tensor:
         """The saved tensor (not widened again while the tensor itself is held)."""

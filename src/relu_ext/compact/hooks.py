@@ -270,7 +270,7 @@ class _Packer:
     def _narrowed(self, t: Tensor) -> Narrowed:
         """Integer `t` as a Narrowed, one per tensor and version: narrowed, or not, when the context exits."""
         packed = self.ints.get(id(t))
-        if packed is None or packed.version != t._version:
+        if packed is None or packed.saved_version != t._version:
             packed = self.ints[id(t)] = Narrowed(t)
             self.stats.keep("not_activation", t.nbytes)  # (until settled)
         packed.pending += 1
