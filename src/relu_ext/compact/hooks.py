@@ -435,9 +435,10 @@ def _capturing() -> bool:
 
 
 class _ByTensor:
-    """A map from live tensors (their Python objects, by identity) to values, holding neither: an entry
-    goes when its tensor is freed. What torch's WeakTensorKeyDictionary does, without a Python key
-    object per lookup: the pack hook asks it of every saved tensor."""
+    """A map from live tensors (their Python objects, by identity) to values. It does not hold the
+    tensors: an entry, with its value, goes when its tensor is freed. What torch's
+    WeakTensorKeyDictionary does, without a Python key object per lookup: the pack hook asks it of
+    every saved tensor."""
 
     __slots__ = ("entries", "me", "__weakref__")
 
@@ -461,7 +462,7 @@ class _ByTensor:
         self = owner()
         entry = None if self is None else self.entries.get(key)
         if entry is not None and entry[0] is ref:
-            del self.entries[key]
+            self.entries.pop(key, None)
 
 
 class _Check:
