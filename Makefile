@@ -173,7 +173,7 @@ test-package:
 		names = [m.name for m in pkgutil.walk_packages(relu_ext.__path__, 'relu_ext.')]; \
 		names = [n for n in names if not n.endswith('__main__')]; \
 		[importlib.import_module(n) for n in names]; print('imported', len(names), 'modules of relu_ext')"
-	cd $(WHL)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider \
+	cd $(WHL)/relu_ext-*/ && $(abspath $(PKG_PY)) -m pytest -q -p no:cacheprovider --durations=15 \
 		tests/activations/test_exact.py tests/tooling/test_packaging.py
 	rm -rf $(PKG_VENV)
 
