@@ -459,10 +459,10 @@ class _ByTensor:
     @staticmethod
     def _drop(owner: weakref.ref, key: int, ref: weakref.ref) -> None:
         """A tensor's weak reference `ref` died: drop its entry (not a newer one under its id)."""
-        self = owner()
-        entry = None if self is None else self.entries.get(key)
+        by_tensor = owner()
+        entry = None if by_tensor is None else by_tensor.entries.get(key)
         if entry is not None and entry[0] is ref:
-            self.entries.pop(key, None)
+            by_tensor.entries.pop(key, None)
 
 
 class _Check:
