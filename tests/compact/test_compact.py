@@ -219,15 +219,15 @@ def test_layouts_come_back(relu):
 def _count_compactions(monkeypatch) -> list[Any]:
     """The compactions the pack hook makes, listed as made: the Compacted form, or None where it missed."""
     made: list[Any] = []
-    real = hooks._Packer._verify
+    real = hooks._Packer._form
 
-    def counting(packer: Any, form_made: Any, t: torch.Tensor) -> bool:
-        stands = real(packer, form_made, t)
-        if form_made.form.kind == "compacted":
-            made.append(form_made.form if stands else None)
-        return stands
+    def counting(packer: Any, t: torch.Tensor, rows: Any) -> Any:
+        form = real(packer, t, rows)
+        if any(row.form is compact.Compacted for row in rows):
+            made.append(form if isinstance(form, compact.Compacted) else None)
+        return form
 
-    monkeypatch.setattr(hooks._Packer, "_verify", counting)
+    monkeypatch.setattr(hooks._Packer, "_form", counting)
     return made
 
 
@@ -301,6 +301,23 @@ def test_negative_zero_gets_its_own_bitmap(monkeypatch):
     assert restored.signbit().sum() == (x == 0).sum() > 0
     ext_mask = torch.ops.relu_ext.relu_fwd(x)[1]
     assert not torch.equal(made[0].mask, ext_mask)
+
+
+def test_a_tensor_kept_as_it_is_is_counted_once_per_tensor():
+    """Saved again at the same version, a tensor kept as it is is the same packed object, asked nothing
+    more; changed in place and saved again, it is packed anew (backward checks the new version), and
+    still counted once: it holds its storage once."""
+    sc = relu_ext.save_compact()
+    x = torch.randn(64, 128)
+    first = sc.pack_hook(x)
+    assert isinstance(first, forms._Dense) and sc.pack_hook(x) is first
+    x.add_(1)
+    second = sc.pack_hook(x)
+    assert second is not first and second.version == x._version
+    assert sc.kept == 1 and sc.bytes_saved_for_backward == x.nbytes
+    assert_bitwise_equal(sc.unpack_hook(second), x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        sc.unpack_hook(first)
 
 
 def test_dense_outputs_stay_dense(monkeypatch):

@@ -59,6 +59,8 @@ def _bools_of(bits: Tensor, size: torch.Size, stride: tuple[int, ...]) -> Tensor
 
 def _is_dense(t: Tensor) -> bool:
     """Whether `t`'s elements fill a block of memory exactly once, in any order of dimensions."""
+    if t.is_contiguous():  # (the common case, asked of most saved tensors: at once)
+        return True
     expected = 1
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
         if stride != expected:

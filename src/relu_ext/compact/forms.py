@@ -116,7 +116,8 @@ class _Shared:
             t = self.saved()
             if t is not None:
                 _check_version(t, self.saved_version, "relu_ext.save_compact rebuilds it for backward")
-            STREAMS.after(self.stream, self._reads())
+            if self.stream is not None:  # (else nothing to order: see streams.py)
+                STREAMS.after(self.stream, self._reads())
             t = self.rebuild()
         if keep and self.pending > 0:
             self.restored = t
@@ -127,7 +128,8 @@ class _Shared:
         now, else rebuilt from what its sources hold now; nothing is kept for backward."""
         if self.whole is not None:
             return self.whole.restore()
-        STREAMS.after(self.stream, self._reads())
+        if self.stream is not None:
+            STREAMS.after(self.stream, self._reads())
         return self._live()
 
     def _live(self) -> Tensor:
@@ -143,6 +145,11 @@ class _Shared:
     def _gather(self, indices: Tensor, size: Any, stride: Any) -> Tensor:
         """gathered() of the form itself (no tensor held)."""
         return _gathered(self.live(), indices, size, stride)
+
+    def again(self) -> _Shared:
+        """This, for one more node that saved it (and will unpack it)."""
+        self.pending += 1
+        return self
 
     def restore(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout."""
@@ -170,7 +177,8 @@ class Compacted(_Shared):
     Made in steps, each waiting for a value from the device (see _Shared.hold and ``checked``): the
     count of kept elements, which sizes the values and says whether they save enough; then, with
     the node's mask, whether it restores the tensor (not where the tensor holds -0.0, or changed
-    after the node), else the nonzero bitmap's count again."""
+    after the node), else the nonzero bitmap's count again. Where those values are on the host at
+    once (the CPU), in one step instead (``now``)."""
 
     __slots__ = ("values", "mask", "shared", "ends", "limit", "size", "stride")
     kind = "compacted"
@@ -183,8 +191,22 @@ class Compacted(_Shared):
         self.mask = mask if mask is not None else _ops.nonzero_mask(y)
         self.limit = limit  # the most bytes it may hold
         self.values: Tensor | None = None
-        self.ends: Tensor | None = _ops.compact_count(y, self.mask)
+        self.ends: Tensor | None = None if Deferred.at_once(y) else _ops.compact_count(y, self.mask)
         self.size, self.stride = y.size(), y.stride()
+
+    def now(self, t: Tensor) -> bool:
+        """Compact `t` at once (where Deferred.at_once: no count made): whether that saves enough."""
+        y = t.detach()
+        values, missed = _ops.compact(y, self.mask)
+        if self.shared and Deferred(missed).flag():
+            # Its node's mask does not restore it: its own bitmap.
+            self.shared, self.mask = False, _ops.nonzero_mask(y)
+            values, _ = _ops.compact(y, self.mask)
+        cost = values.nbytes + (0 if self.shared else self.mask.nbytes)
+        if cost > self.limit:
+            return False
+        self.values, self.nbytes = values, cost
+        return True
 
     @property
     def count(self) -> Tensor:
@@ -240,6 +262,10 @@ class _Dense:
         # Detached: the same data and version counter, without the grad_fn, so that
         # a saved output does not hold its own node (a cycle Python cannot free).
         self.tensor, self.version = tensor.detach(), tensor._version
+
+    def again(self) -> _Dense:
+        """This, for one more node that saved it: the same, as it holds no count."""
+        return self
 
     def restore(self) -> Tensor:
         _check_version(self.tensor, self.version, "checked by relu_ext.save_compact, which saved it as it was")

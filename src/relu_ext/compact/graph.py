@@ -18,7 +18,7 @@ from torch import Tensor
 # BatchNorm nodes whose output the replay rebuilds: PyTorch's kernels (CPU, CUDA), and cuDNN's,
 # which the CUDA replay matches where its verification says so.
 _BN_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
-# Nodes whose outputs are kept as recipes of what other nodes keep (see _made_by).
+# Nodes whose outputs are kept as recipes of what other nodes keep (recipes.FORMS).
 _CAT, _MAX_POOL = "CatBackward0", "MaxPool2DWithIndicesBackward0"
 
 
@@ -34,6 +34,7 @@ def _activation_nodes() -> dict[str, tuple[Any, bool]]:
 
 
 _ACTIVATION_NODES = _activation_nodes()
+ACTIVATION_NODES = frozenset(_ACTIVATION_NODES)  # (the names of the nodes of ReLU and the family)
 _RELU_EXT_NODE = next(name for name, (act, ours) in _ACTIVATION_NODES.items() if act.name == "relu" and ours)
 
 
@@ -107,10 +108,9 @@ def _batchnorm_inputs(fn: Any) -> tuple[Any, tuple[Any, int] | None] | None:
     return a, (b, b_nr)
 
 
-def _made_by(t: Tensor) -> str | None:
-    """The name of the node that made `t` (``_CAT``, ``_MAX_POOL``, ...), or None for a tensor no
-    node made. Checked on torch 2.11, 2.14.1 and 2.15.0."""
-    fn = t.grad_fn
+def _node_name(fn: Any) -> str | None:
+    """The name of node `fn` (``_CAT``, ``_MAX_POOL``, an activation's, ...), or None for no node (a
+    tensor no node made). Checked on torch 2.11, 2.14.1 and 2.15.0."""
     return None if fn is None else fn.name()
 
 

@@ -15,8 +15,8 @@ from torch.nn import Parameter
 from .bits import _is_dense
 from .deferred import Deferred
 from .forms import Narrowed, _Dense, _Shared, _ViewOf
-from .graph import _after_batchnorm, _mostly_zeros, _note_kept
-from .recipes import _MIN_NUMEL, FORMS, Made, Row, _plain_dense
+from .graph import _after_batchnorm, _mostly_zeros, _node_name, _note_kept
+from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Row, _plain_dense
 from .stats import _Stats
 
 # The default pending_bytes on a GPU, as a fraction of its memory: several layers' outputs at
@@ -201,12 +201,9 @@ class _Packer:
         # read and changed together. Reentrant: a rebuild may read other forms.
         self.lock = threading.RLock()
         self.unpack = _unpack_hook(weakref.ref(self))
-        # Saved by several nodes (a ReLU output and the conv after it), a tensor
-        # is compacted once: tensor -> (its version, its form; None: saved as it is).
+        # Saved by several nodes (a ReLU output and the conv after it), a tensor is
+        # compacted, or counted as kept, once: tensor -> _Cached.
         self.cache = _ByTensor()
-        # The tensors saved as they are, counted once each (not by version: a tensor
-        # saved as it is holds its storage once, whatever it went through).
-        self.seen = _ByTensor()
         # Integer tensors to narrow when the context exits (settle()): id -> its Narrowed,
         # which holds the tensor until then (so the id stays its own).
         self.ints: dict[int, Narrowed] = {}
@@ -237,33 +234,38 @@ class _Packer:
         base = t._base
         if base is not None and _alias(t, base):
             t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
-        elif base is not None and _whole_view(t, base) and _why_kept(base, self.recompute) is None:
+        elif base is not None and _why_kept(base, self.recompute) is None and _whole_view(t, base):
             # (A Linear on a 3-D activation output keeps a 2-D view of it: kept as the output.)
             packed = self._pack(base)
             return _Dense(t) if isinstance(packed, _Dense) else _ViewOf(packed, t, base)
         return self._pack(t)
 
     def _pack(self, t: Tensor) -> Any:
-        """`t`, no view standing for its base, in its form: each form made once per tensor and version."""
+        """`t`, no view standing for its base, in its form: each form made once per tensor and version,
+        and a tensor saved again (by another node) at the same version asked nothing more."""
         hit = self.cache.get(t)
-        if hit is not None and hit[1] is not None and hit[0] == t._version:
-            hit[1].pending += 1  # (saved again by another node: asked nothing more)
-            return hit[1]
-        why = _why_kept(t, self.recompute)
-        if why == "not_activation" and _narrowable(t):
+        if hit is not None and hit.version == t._version:
+            return hit.packed.again()
+        fn = t.grad_fn
+        node = _node_name(fn)
+        if node is None and _narrowable(t):
             return self._narrowed(t)
-        rows = [row for row in FORMS if row.takes == why and row.applies(t, self.recompute)]
-        if rows:
-            if hit is None or hit[0] != t._version:
-                # (Changed in place and saved again: a second form, counted again.)
-                hit = (t._version, self._form(t, rows))
-                self.cache.put(t, hit)
-            if hit[1] is not None:
-                hit[1].pending += 1
-                return hit[1]
-        self._count_kept(t, why or ("too_few_zeros" if _mostly_zeros(t.grad_fn) else "not_replayed"))
+        rows = [row for row in FORMS_BY_NODE.get(node, ()) if row.applies(t, self.recompute)]
+        packed = self._form(t, rows) if rows else None
+        if packed is None:
+            # (Changed in place and saved again: counted once as it is, however many versions.)
+            packed = self._kept(t, fn, rows=node in FORMS_BY_NODE, counted=hit is not None and hit.kept)
+        # (A form of another version: a second form, counted again.)
+        self.cache.put(t, _Cached(t._version, packed, isinstance(packed, _Dense) or (hit is not None and hit.kept)))
+        return packed.again()
+
+    def _kept(self, t: Tensor, fn: Any, rows: bool, counted: bool) -> _Dense:
+        """`t` saved as it is (`rows`: some row takes its node), counted unless `counted` already."""
+        why = _why_kept(t, self.recompute) if rows else "not_activation"
+        if not counted:
+            self._count_kept(t, why or ("too_few_zeros" if _mostly_zeros(fn) else "not_replayed"))
         dense = _Dense(t)
-        if self.recompute and t.grad_fn is not None and why in (None, "not_activation"):
+        if self.recompute and fn is not None and why in (None, "not_activation"):
             _note_kept(t, dense)
         return dense
 
@@ -273,23 +275,20 @@ class _Packer:
         if packed is None or packed.saved_version != t._version:
             packed = self.ints[id(t)] = Narrowed(t)
             self.stats.keep("not_activation", t.nbytes)  # (until settled)
-        packed.pending += 1
-        return packed
+        return packed.again()
 
     def _count_kept(self, t: Tensor, why: str) -> None:
-        """Count `t`, saved as it is for `why`, once however many nodes save it."""
-        if self.seen.get(t) is None:
-            self.seen.put(t, True)
-            base = t._base if t._base is not None else t
-            # Held outside the graph: a parameter, a view of one, another leaf that requires grad; and
-            # what no node made that something else still holds when the block exits (a buffer, the
-            # step's input: see exit). What the step made without autograd (BatchNorm's saved mean)
-            # only the graph holds by then.
-            outside = why == "not_activation" and base.grad_fn is None
-            leaf = outside and (base.requires_grad or isinstance(base, Parameter))
-            self.stats.keep(why, t.nbytes, leaf)
-            if outside and not leaf:
-                self.unmade.append((weakref.ref(base), t.nbytes))
+        """Count `t`, saved as it is for `why` (once however many nodes save it: see _pack)."""
+        base = t._base if t._base is not None else t
+        # Held outside the graph: a parameter, a view of one, another leaf that requires grad; and
+        # what no node made that something else still holds when the block exits (a buffer, the
+        # step's input: see exit). What the step made without autograd (BatchNorm's saved mean)
+        # only the graph holds by then.
+        outside = why == "not_activation" and base.grad_fn is None
+        leaf = outside and (base.requires_grad or isinstance(base, Parameter))
+        self.stats.keep(why, t.nbytes, leaf)
+        if outside and not leaf:
+            self.unmade.append((weakref.ref(base), t.nbytes))
 
     def _form(self, t: Tensor, rows: list[Row]) -> _Shared | None:
         """`t` in the form of the first of `rows` (those of FORMS that apply to it) that can be made and
@@ -465,6 +464,17 @@ class _ByTensor:
             by_tensor.entries.pop(key, None)
 
 
+class _Cached:
+    """What the pack hook made of a tensor, for the nodes that save it again: the tensor's `version`
+    then, what it was `packed` as, and whether it was counted as `kept` as it is (once, however many
+    versions: a tensor saved as it is holds its storage once, whatever it went through)."""
+
+    __slots__ = ("version", "packed", "kept")
+
+    def __init__(self, version: int, packed: Any, kept: bool) -> None:
+        self.version, self.packed, self.kept = version, packed, kept
+
+
 class _Check:
     """A form's check on its way to the host (see _Shared.checked), with the bytes of the tensor the
     form holds until then. The form is held here, not weakly: its counts need it, and its graph may
@@ -479,8 +489,10 @@ class _Check:
 def _why_kept(t: Tensor, recompute: bool) -> str | None:
     """Why `t` is saved as it is (a key of ``stats._REASONS``), or None when it is a plain
     dense floating-point output of ReLU or the family worth keeping smaller: mostly
-    zeros (compaction), or, with `recompute`, after a BatchNorm (a recipe). Cheapest
-    checks first: the pack hook asks for every tensor."""
+    zeros (compaction), or, with `recompute`, after a BatchNorm (a recipe): the rows of
+    those forms apply to no other (recipes._zeros_mostly, recipes._after_a_batchnorm).
+    The pack hook asks it of a tensor kept as it is, for the reason it counts, and of a
+    view's base (_pack_view): cheapest checks first."""
     fn = t.grad_fn
     if fn is None or not (_mostly_zeros(fn) or (recompute and _after_batchnorm(fn))):
         return "not_activation"
@@ -488,7 +500,7 @@ def _why_kept(t: Tensor, recompute: bool) -> str | None:
         type(t) is not torch.Tensor
         or not t.is_floating_point()
         or t.layout != torch.strided
-        or t.device.type not in ("cpu", "cuda")
+        or not (t.is_cpu or t.is_cuda)
     ):
         return "unsupported"
     if t.numel() < _MIN_NUMEL:
@@ -508,7 +520,7 @@ def _stands_for(t: Tensor, base: Tensor) -> bool:
 def _alias(t: Tensor, base: Tensor) -> bool:
     """Whether view `t` has every element of its `base` where the base has it: the same bits, always,
     and the same version counter; saved as the base (a recipe or compaction of the base is one of it)."""
-    return _stands_for(t, base) and t.shape == base.shape and t.stride() == base.stride()
+    return t.shape == base.shape and t.stride() == base.stride() and _stands_for(t, base)
 
 
 def _whole_view(t: Tensor, base: Tensor) -> bool:

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from .bits import _bool_bits, _is_dense, _same_bits_later
 from .forms import Compacted, Concatenated, Pooled, Replayed, TwoValued, _Dense, _gathered, _Shared
-from .graph import (_CAT, _MAX_POOL, _activation_of, _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps,
-                    _bn_training, _cat_dim, _is_batchnorm, _kept, _made_by, _mostly_zeros, _raw_saved,
+from .graph import (_CAT, _MAX_POOL, ACTIVATION_NODES, _activation_of, _after_batchnorm, _batchnorm_inputs,
+                    _bn_bias, _bn_eps, _bn_training, _cat_dim, _is_batchnorm, _kept, _mostly_zeros, _raw_saved,
                     _relu_ext_mask, _Saved)
 
 _ops = torch.ops.relu_ext
@@ -43,14 +43,13 @@ class Made(NamedTuple):
 
 
 class Row(NamedTuple):
-    """A row of the table of forms: the tensors it ``takes`` (those hooks._why_kept would keep as they
-    are for that reason: None, an activation output worth keeping smaller, or "not_activation"),
-    ``applies(t, recompute)`` among those, and ``make(t, packer)``: the form and its check, or None
-    where it cannot be made. A form declares its ``kind`` (what it is counted as) and ``missed_as``
-    (why a tensor whose check failed is kept)."""
+    """A row of the table of forms: the `nodes` whose outputs it takes (their names; None: tensors no
+    node made), ``applies(t, recompute)`` among those, and ``make(t, packer)``: the form and its
+    check, or None where it cannot be made. A form declares its ``kind`` (what it is counted as)
+    and ``missed_as`` (why a tensor whose check failed is kept)."""
 
     form: type[_Shared]
-    takes: str | None
+    nodes: frozenset[str | None]
     applies: Callable[[Tensor, bool], bool]
     make: Callable[[Tensor, Packing], "Made | None"]
 
@@ -213,10 +212,13 @@ def _replayed(t: Tensor, packer: Packing) -> Made | None:
     return Made(Replayed(t, *first[:3], act[0], act[1], None if second is None else second[:3]), flag)
 
 
-def _compacted(t: Tensor, packer: Packing) -> Made:
+def _compacted(t: Tensor, packer: Packing) -> Made | None:
     """`t` compacted (with relu_ext's own mask where its node has one: no second bitmap), made in steps
-    (Compacted.checked); missed where it would save less than min_saving of its bytes."""
+    (Compacted.checked), or at once where the count is on the host at once; missed where it would
+    save less than min_saving of its bytes."""
     packed = Compacted(t, _relu_ext_mask(t), (1 - packer.min_saving) * t.nbytes)
+    if packed.ends is None:
+        return Made(packed, None) if packed.now(t) else None
     return Made(packed, packed.count)
 
 
@@ -232,34 +234,36 @@ def _two_valued(t: Tensor, packer: Packing) -> Made:
 def _plain_dense(t: Tensor) -> bool:
     """Whether `t` is a plain strided tensor (no subclass) on the CPU or CUDA, of at least 4096
     elements, that fills a block of memory exactly once: what narrowing and bitmaps take."""
-    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
-            and t.numel() >= _MIN_NUMEL and _is_dense(t))
+    return (t.numel() >= _MIN_NUMEL and type(t) is torch.Tensor and t.layout == torch.strided
+            and (t.is_cpu or t.is_cuda) and _is_dense(t))
 
 
-def _output_of(t: Tensor, recompute: bool, name: str) -> bool:
-    """Whether a recipe of what other nodes keep applies to `t`, made by node `name` (``torch.cat``'s,
-    ``max_pool2d``'s): a plain dense floating-point tensor on the CPU or CUDA, with recompute."""
-    return recompute and _made_by(t) == name and t.is_floating_point() and _plain_dense(t)
+def _output_of(t: Tensor, recompute: bool) -> bool:
+    """Whether a recipe of what other nodes keep applies to `t` (``torch.cat``'s output, ``max_pool2d``'s):
+    a plain dense floating-point tensor on the CPU or CUDA, with recompute."""
+    return recompute and t.is_floating_point() and _plain_dense(t)
 
 
 def _a_concatenation(t: Tensor, recompute: bool) -> bool:
     """applies() of a concatenation in pieces."""
-    return _output_of(t, recompute, _CAT)
+    return _output_of(t, recompute)
 
 
 def _a_max_pool_output(t: Tensor, recompute: bool) -> bool:
     """applies() of a max-pool output as its input at its indices."""
-    return _output_of(t, recompute, _MAX_POOL)
+    return _output_of(t, recompute)
 
 
 def _after_a_batchnorm(t: Tensor, recompute: bool) -> bool:
-    """applies() of a replay: an activation output whose input is a BatchNorm's, with recompute."""
-    return recompute and _after_batchnorm(t.grad_fn)
+    """applies() of a replay: an activation output whose input is a BatchNorm's, with recompute, worth
+    keeping smaller (hooks._why_kept: a plain dense floating-point tensor of 4096 elements or more)."""
+    return recompute and _after_batchnorm(t.grad_fn) and t.is_floating_point() and _plain_dense(t)
 
 
 def _zeros_mostly(t: Tensor, recompute: bool) -> bool:
-    """applies() of a compaction: an activation output that is mostly zeros (ReLU, ...)."""
-    return _mostly_zeros(t.grad_fn)
+    """applies() of a compaction: an activation output that is mostly zeros (ReLU, ...), worth keeping
+    smaller (as a replay's)."""
+    return _mostly_zeros(t.grad_fn) and t.is_floating_point() and _plain_dense(t)
 
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -267,12 +271,10 @@ _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def _two_valued_candidate(t: Tensor, recompute: bool) -> bool:
     """applies() of a bitmap (see TwoValued): a plain dense tensor of at least 4096 elements that no
-    node made (an activation output is not), floating-point on the CPU (the kernels of binary_mask)
-    or bool on the CPU or CUDA."""
+    node made, floating-point on the CPU (the kernels of binary_mask) or bool on the CPU or CUDA."""
     return (
-        t.grad_fn is None
-        and not t.requires_grad
-        and ((t.dtype in _FLOATS and t.device.type == "cpu") or t.dtype == torch.bool)
+        not t.requires_grad
+        and ((t.dtype in _FLOATS and t.is_cpu) or t.dtype == torch.bool)
         and _plain_dense(t)
     )
 
@@ -280,12 +282,16 @@ def _two_valued_candidate(t: Tensor, recompute: bool) -> bool:
 # The table of forms, in the order the pack hook tries them (the first that applies and does not miss
 # at once is kept). A concatenation that fails to extend the chain at once starts a new one; a replay
 # that misses falls back to compaction. Integer tensors are narrowed at the exit instead (Narrowed).
-# A row takes activation outputs worth keeping smaller (None) or the tensors that are no activation's.
 FORMS = (
-    Row(Concatenated, "not_activation", _a_concatenation, _extended),
-    Row(Concatenated, "not_activation", _a_concatenation, _chain_start),
-    Row(Pooled, "not_activation", _a_max_pool_output, _pooled),
-    Row(Replayed, None, _after_a_batchnorm, _replayed),
-    Row(Compacted, None, _zeros_mostly, _compacted),
-    Row(TwoValued, "not_activation", _two_valued_candidate, _two_valued),
+    Row(Concatenated, frozenset({_CAT}), _a_concatenation, _extended),
+    Row(Concatenated, frozenset({_CAT}), _a_concatenation, _chain_start),
+    Row(Pooled, frozenset({_MAX_POOL}), _a_max_pool_output, _pooled),
+    Row(Replayed, ACTIVATION_NODES, _after_a_batchnorm, _replayed),
+    Row(Compacted, ACTIVATION_NODES, _zeros_mostly, _compacted),
+    Row(TwoValued, frozenset({None}), _two_valued_candidate, _two_valued),
 )
+
+FORMS_BY_NODE: dict[str | None, tuple[Row, ...]] = {
+    node: tuple(row for row in FORMS if node in row.nodes) for row in FORMS for node in row.nodes}
+"""The rows that take a node's outputs, in the table's order, by the node's name (None: no node): what
+the pack hook looks up for each saved tensor (most take none)."""
