@@ -140,7 +140,7 @@ def test_save_compact_gives_itself_and_counts_each_tensor_once():
                   "1 too few zeros", "1 unsupported type", f"held outside the graph: 1 tensor, {x.nbytes / 1024:.2f} KiB"):
         assert words in text, (words, text)
     assert "replayed" not in text  # said only where a BatchNorm output was seen
-    assert repr(sc) == (f"<relu_ext.save_compact min_saving=0.1 recompute=True replayed=0 compacted=1 concatenated=0 pooled=0 narrowed=0 two_valued=0 kept=5 "
+    assert repr(sc) == (f"<relu_ext.save_compact min_saving=0.1 recompute=True replayed=0 compacted=1 concatenated=0 pooled=0 remade=0 narrowed=0 two_valued=0 kept=5 "
                         f"bytes_saved_for_backward={sc.bytes_saved_for_backward} bytes_held={sc.bytes_held}>")
 
 

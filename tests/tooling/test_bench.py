@@ -525,8 +525,8 @@ def test_held_bytes_count_what_the_graph_saves():
     assert real.held_bytes(model, x, "nn.ReLU+compact") < 0.9 * direct
     counts: dict[str, int] = {}
     real.held_bytes(model, x, "install+recompute", counts)
-    assert set(counts) == {"replayed", "replay_misses", "compacted", "concatenated", "pooled", "narrowed", "two_valued",
-                           "kept"}
+    assert set(counts) == {"replayed", "replay_misses", "compacted", "concatenated", "pooled", "remade", "narrowed",
+                           "two_valued", "kept"}
     # (17 ReLUs: at 64 x 64 one is small, and the first block's would rebuild the pooled max-pool output too)
     assert counts["replayed"] >= 15 and counts["replay_misses"] == 0 and counts["kept"] > 0
     assert counts["narrowed"] == counts["pooled"] == 1  # the max-pool's indices, its output

@@ -224,7 +224,7 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
     A copy of a parameter (the same shape, dtype and values in another storage: Inductor keeps
     channels-last copies of conv weights) is left out as the parameter is, so that eager and compiled
     graphs count the same thing, their activations. `counts` gets what a configuration's
-    save_compact() did (replayed, replay_misses, compacted, concatenated, pooled, narrowed, two_valued, kept)."""
+    save_compact() did (replayed, replay_misses, compacted, concatenated, pooled, remade, narrowed, two_valued, kept)."""
     skip = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}  # (running statistics)
     skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
     params: dict[tuple[Any, ...], list[Tensor]] = {}
@@ -313,8 +313,8 @@ def hook_us(model: nn.Module, inputs: Any, config: str, rounds: int = 3) -> floa
 def compact_counts(sc: relu_ext.save_compact) -> dict[str, int]:
     """What a save_compact() did, as the results record it."""
     return dict(replayed=sc.replayed, replay_misses=sc.replay_misses, compacted=sc.compacted,
-                concatenated=sc.concatenated, pooled=sc.pooled, narrowed=sc.narrowed, two_valued=sc.two_valued,
-                kept=sc.kept)
+                concatenated=sc.concatenated, pooled=sc.pooled, remade=sc.remade, narrowed=sc.narrowed,
+                two_valued=sc.two_valued, kept=sc.kept)
 
 
 def prepare(model: nn.Module, config: str, backend: str = "inductor") -> nn.Module:

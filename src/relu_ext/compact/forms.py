@@ -10,7 +10,7 @@ indices), ``_ViewOf`` (a view of another's form); all but ``_Dense`` and ``_View
 from __future__ import annotations
 
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -559,6 +559,102 @@ class Pooled(_Shared):
     def _reads(self) -> tuple[Tensor, ...]:
         """The tensors rebuild() reads itself: its sources that are tensors."""
         return tuple(s for s in (self.x, self.indices) if isinstance(s, Tensor))
+
+
+class Remade(_Shared):
+    """A saved tensor (kept by a later node) as the op that made it and that op's inputs, which the op's
+    own node keeps anyway (in the form this context saved them: as they are, compacted, rebuilt,
+    remade: a chain), run again in backward. The same op on the same inputs gives the same bits
+    (verified when saved), for the ops of graph._REMAKE whatever the threads: their bits do not depend
+    on how the work is split. The op's node runs its backward after the later node's, so its inputs
+    are there when this is rebuilt."""
+
+    __slots__ = ("op", "sources", "versions")
+    kind = "remade"
+
+    def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None]) -> None:
+        super().__init__(t, 0, 1 + sum(s.depth for s in sources if isinstance(s, _Shared)))
+        self.op, self.sources = op, tuple(sources)  # (a source None: an input the op was given as None)
+        self.versions = tuple(s._version if isinstance(s, Tensor) else None for s in sources)
+
+    def rebuild(self) -> Tensor:
+        """The saved tensor, bit for bit, in its own layout (a source rebuilt for it is kept for the
+        nodes that saved it, which unpack it next)."""
+        return self._make(live=False)
+
+    def _live(self) -> Tensor:
+        """The saved tensor while packing (see _Shared.live)."""
+        return self._make(live=True)
+
+    def _make(self, live: bool) -> Tensor:
+        why = "relu_ext.save_compact remakes a tensor from this one, which changed after the forward"
+        args = ((s.live() if live else s.current(keep=True)) if isinstance(s, _Shared)
+                else None if s is None else _checked(s, v, why) for s, v in zip(self.sources, self.versions))
+        return self.op(*args)
+
+    def _fresh(self) -> bool:
+        """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
+        return all(s.fresh() if isinstance(s, _Shared) else s is None or s._version == v
+                   for s, v in zip(self.sources, self.versions))
+
+    def _held(self) -> tuple[Tensor, ...]:
+        """Nothing the graph does not hold anyway (for memory accounting)."""
+        return ()
+
+    def _reads(self) -> tuple[Tensor, ...]:
+        """The tensors rebuild() reads itself: its sources that are tensors."""
+        return tuple(s for s in self.sources if isinstance(s, Tensor))
+
+
+# The eps values LayerNorms use (PyTorch's default and GPT-2's, ViT's, BERT's, others), which a
+# LayerNorm's node does not keep: tried in this order (RemadeNorm).
+LAYER_NORM_EPS = (1e-5, 1e-6, 1e-12, 1e-8, 1e-7)
+
+
+class LayerNormOf(NamedTuple):
+    """PyTorch's LayerNorm output as an op of its input, weight and bias (a RemadeNorm's op)."""
+
+    shape: tuple[int, ...]
+    eps: float
+
+    def __call__(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        return torch.native_layer_norm(x, self.shape, weight, bias, self.eps)[0]
+
+
+class RemadeNorm(Remade):
+    """A LayerNorm output (kept by the next layers) remade by PyTorch's LayerNorm from its input, weight
+    and bias, which its node keeps. The node does not keep its eps: made in steps, as Compacted is, each
+    waiting for a value from the device: which of LAYER_NORM_EPS give the node's rstd on the row where
+    eps weighs most (the check the form is made with), then whether each of those in turn gives the
+    output, bit for bit (in bfloat16 several may give that rstd). A LayerNorm computes each row on its
+    own, so its bits do not depend on how the rows are split among threads."""
+
+    __slots__ = ("shape", "untried")
+
+    def __init__(self, t: Tensor, shape: tuple[int, ...], sources: list[Tensor | _Shared | None]) -> None:
+        super().__init__(t, None, sources)
+        self.shape = shape
+        self.untried: list[float] | None = None  # (None: the probe's check is not back)
+
+    def checked(self, check: Deferred) -> bool | str | Deferred:
+        """The next step once `check` is back (see _Shared.checked), on the stream the form was made on."""
+        with STREAMS.on(self.stream):
+            return self._step(check)
+
+    def _step(self, check: Deferred) -> bool | str | Deferred:
+        """checked() on the current stream."""
+        if self.untried is None:  # the probe is back: the eps that give the node's rstd there
+            self.untried = [eps for eps, hit in zip(LAYER_NORM_EPS, check.ints()) if hit]
+        elif check.flag():  # an eps gives the output
+            return True
+        assert self.whole is not None
+        if not self.untried or not self.whole.unchanged():
+            return self.missed_as
+        self.op = LayerNormOf(self.shape, self.untried.pop(0))
+        now, t = self._make(live=True), self.whole.tensor
+        if now.dtype != t.dtype or now.stride() != t.stride():
+            return self.missed_as
+        return Deferred(_same_bits_later([(now, t)]))
 
 
 def _checked(t: Tensor, version: int | None, why: str) -> Tensor:

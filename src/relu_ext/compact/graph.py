@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 # BatchNorm nodes whose output the replay rebuilds: PyTorch's kernels (CPU, CUDA), and cuDNN's,
@@ -20,6 +21,14 @@ from torch import Tensor
 _BN_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
 # Nodes whose outputs are kept as recipes of what other nodes keep (recipes.FORMS).
 _CAT, _MAX_POOL = "CatBackward0", "MaxPool2DWithIndicesBackward0"
+# Nodes of ops whose output is remade from the inputs the node itself keeps (forms.Remade): the op and
+# the names it saves them as. Only ops whose bits do not depend on how the work is split among
+# threads or vector lanes: an IEEE multiply or divide of the same two inputs is the same, whichever
+# loop computes it (a transcendental such as GELU's erf is not: its vector and scalar loops differ).
+_REMAKE: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "MulBackward0": (torch.ops.aten.mul.Tensor, ("self", "other")),
+    "DivBackward0": (torch.ops.aten.div.Tensor, ("self", "other")),
+}
 
 
 def _activation_nodes() -> dict[str, tuple[Any, bool]]:
@@ -112,6 +121,28 @@ def _node_name(fn: Any) -> str | None:
     """The name of node `fn` (``_CAT``, ``_MAX_POOL``, an activation's, ...), or None for no node (a
     tensor no node made). Checked on torch 2.11, 2.14.1 and 2.15.0."""
     return None if fn is None else fn.name()
+
+
+_LAYER_NORM = "NativeLayerNormBackward0"
+
+
+def _layer_norm_saved(fn: Any) -> tuple[tuple[int, ...], _Saved, _Saved, _Saved, _Saved]:
+    """What LayerNorm node `fn` saved, not unpacked: its normalized shape, input, weight and bias (no
+    data: none), and rstd (``result2``); not its eps, which it does not keep.
+    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    shape = tuple(fn._saved_normalized_shape)
+    return (shape, *(_raw_saved(fn, name) for name in ("input", "weight", "bias", "result2")))
+
+
+def _remake_of(fn: Any) -> tuple[Any, list[_Saved]] | None:
+    """For a node of _REMAKE: its op, and what it saved of the op's inputs, in the op's order, not
+    unpacked (an input it did not save has no data); None for another node. Checked on torch 2.11,
+    2.14.1 and 2.15.0."""
+    entry = _REMAKE.get(fn.name())
+    if entry is None:
+        return None
+    op, names = entry
+    return op, [_raw_saved(fn, name) for name in names]
 
 
 def _cat_dim(t: Tensor) -> int:

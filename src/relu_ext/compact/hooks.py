@@ -37,7 +37,9 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with ``min_val=0``, Threshold with
     ``value=0``, Hardsigmoid): nonzero values plus a bitmap. A concatenation that begins with the
     previous one kept (DenseNet's) is kept as its pieces plus what it adds (*concatenated*, with
-    recompute), a max-pool output as the pool's input at its indices (*pooled*, with recompute), an
+    recompute), a max-pool output as the pool's input at its indices (*pooled*, with recompute), a
+    ``mul``, ``div`` or LayerNorm output as that op and the inputs its node keeps (*remade*, with
+    recompute; a view of it with all its elements, as a Linear on a 3-D input keeps, as well), an
     integer tensor only the graph holds (max-pool indices) in the narrowest type that holds it
     (*narrowed*, at the exit), and one of +0 and one other value that no node made (dropout's noise,
     a bool tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives PyTorch's
@@ -45,7 +47,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
 
     ``with`` gives the context, which counts what its hooks did (over all its blocks; each distinct
     tensor once): ``replayed``, ``replay_misses`` (recipes that failed their check; then compacted
-    or kept), ``compacted``, ``concatenated``, ``pooled``, ``narrowed``, ``two_valued``, ``kept``
+    or kept), ``compacted``, ``concatenated``, ``pooled``, ``remade``, ``narrowed``, ``two_valued``, ``kept``
     and ``kept_by_reason`` (``not_activation``, ``not_replayed``, ``too_small`` (under 4096
     elements), ``too_few_zeros``, ``unsupported``), ``bytes_saved_for_backward`` (what the graph
     would hold without the hooks), ``bytes_held`` (what it holds with them; a relu_ext mask or a
@@ -123,6 +125,12 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     def pooled(self) -> int:
         """Distinct max-pool outputs saved for backward kept as recipes (the pool's input at its indices)."""
         return self._settled().count["pooled"]
+
+    @property
+    def remade(self) -> int:
+        """Distinct tensors saved for backward kept as the op that made them (mul, div) and its inputs,
+        which its node keeps anyway; run again in backward."""
+        return self._settled().count["remade"]
 
     @property
     def narrowed(self) -> int:
@@ -234,8 +242,8 @@ class _Packer:
         base = t._base
         if base is not None and _alias(t, base):
             t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
-        elif base is not None and _why_kept(base, self.recompute) is None and _whole_view(t, base):
-            # (A Linear on a 3-D activation output keeps a 2-D view of it: kept as the output.)
+        elif base is not None and _node_name(base.grad_fn) in FORMS_BY_NODE and _whole_view(t, base):
+            # (A Linear on a 3-D tensor keeps a 2-D view of it: kept as that tensor, in its form.)
             packed = self._pack(base)
             return _Dense(t) if isinstance(packed, _Dense) else _ViewOf(packed, t, base)
         return self._pack(t)

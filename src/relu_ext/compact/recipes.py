@@ -16,11 +16,12 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from .bits import _bool_bits, _is_dense, _same_bits_later
-from .forms import Compacted, Concatenated, Pooled, Replayed, TwoValued, _Dense, _gathered, _Shared
-from .graph import (_CAT, _MAX_POOL, ACTIVATION_NODES, _activation_of, _after_batchnorm, _batchnorm_inputs,
-                    _bn_bias, _bn_eps, _bn_training, _cat_dim, _is_batchnorm, _kept, _mostly_zeros, _raw_saved,
-                    _relu_ext_mask, _Saved)
+from .bits import _INTS, _bool_bits, _is_dense, _same_bits_later
+from .forms import (LAYER_NORM_EPS, Compacted, Concatenated, Pooled, Remade, RemadeNorm, Replayed, TwoValued, _Dense,
+                    _gathered, _Shared)
+from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, _activation_of, _after_batchnorm,
+                    _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs, _is_batchnorm, _kept,
+                    _layer_norm_saved, _mostly_zeros, _raw_saved, _relu_ext_mask, _remake_of, _Saved)
 
 _ops = torch.ops.relu_ext
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
@@ -110,6 +111,49 @@ def _pooled(t: Tensor, packer: Packing) -> Made | None:
     return Made(Pooled(x, indices, t), _same_bits_later([(now, t)]))
 
 
+def _remade(t: Tensor, packer: Packing) -> Made | None:
+    """`t` (an output of an op of graph._REMAKE) as that op and its inputs, which its node keeps, or
+    (an input it did not need) another node that this context saved it for: where every input is kept,
+    and the op run again on them gives `t`'s dtype, shape and strides."""
+    op, saved = _remake_of(t.grad_fn)
+    sources = []
+    for s, (fn, output_nr) in zip(saved, _inputs(t)):
+        source = _source(s, packer.unpack)
+        if source is None and fn is not None:
+            source = _kept_source(fn, output_nr)  # (not kept by its node, but by another: dropout's input)
+        if source is None:
+            return None
+        sources.append(source)
+    now = op(*(s.live() if isinstance(s, _Shared) else s for s in sources))
+    if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride():
+        return None
+    return Made(Remade(t, op, sources), _same_bits_later([(now, t.detach())]))
+
+
+def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
+    """`t` (a LayerNorm output) as PyTorch's LayerNorm of its input, weight and bias, which its node
+    keeps, made in steps (RemadeNorm): checked first by which eps of LAYER_NORM_EPS gives its node's
+    rstd on the row with the largest (a LayerNorm of that row alone is that row's)."""
+    shape, *saved, rstd_saved = _layer_norm_saved(t.grad_fn)
+    sources: list[Tensor | _Shared | None] = []
+    for s in saved:
+        source = None if s.data is None and s.unpack_hook is None else _source(s, packer.unpack)
+        if source is None and s.data is not None:
+            return None  # (kept by other hooks, or changed)
+        sources.append(source)
+    rstd = _peek(rstd_saved, packer.unpack)
+    if sources[0] is None or rstd is None or rstd.numel() == 0:
+        return None
+    x, weight, bias = (s.live() if isinstance(s, _Shared) else s for s in sources)
+    # The row where eps weighs most: the least variance, the largest rstd (NaN rows aside).
+    rstd = rstd.reshape(-1)
+    at = torch.where(rstd.isnan(), torch.zeros_like(rstd), rstd).argmax().reshape(1)
+    row = x.reshape(-1, *shape).index_select(0, at)
+    probes = torch.cat([torch.native_layer_norm(row, shape, weight, bias, eps)[2].reshape(1) for eps in LAYER_NORM_EPS])
+    bits = _INTS[rstd.element_size()]
+    return Made(RemadeNorm(t, shape, sources), probes.view(bits).eq(rstd.index_select(0, at).view(bits)))
+
+
 def _peek(saved: _Saved, unpack: Any) -> Tensor | None:
     """The tensor a node saved, read without unpacking it: a tensor saved with no hooks,
     or one this context saved as it is; None for anything else (compacted, or packed
@@ -160,18 +204,27 @@ def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tenso
     return (x.detach() if source is x else source), alpha, beta, x.detach()
 
 
+def _kept_source(fn: Any, output_nr: int) -> Tensor | _Shared | None:
+    """Output `output_nr` of node `fn` where this context saved it for another node and it is as it was
+    then: the tensor (saved as it is), or this context's form of it; else None (the in-place error
+    comes in backward)."""
+    packed = _kept(fn, output_nr)
+    if isinstance(packed, _Dense) and packed.unchanged():
+        return packed.tensor
+    if isinstance(packed, _Shared) and packed.fresh():
+        return packed
+    return None
+
+
 def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, Tensor, Tensor, Tensor] | None:
     """Output `output_nr` of node `fn` where this context saved it for another node: as it is
     (a ResNet's max-pool output, kept by the next conv), or compacted or replayed in one pass
     (a block's output, kept by the next block's conv). What the recipe reads, the terms that
     add it as it is, and the tensor to verify with: what the recipe's rebuild will read."""
-    packed = _kept(fn, output_nr)
-    if isinstance(packed, _Dense) and packed.tensor._version == packed.version:
-        source = now = packed.tensor
-    elif isinstance(packed, _Shared) and packed.depth == 1 and packed.fresh():  # (else: the in-place error, in backward)
-        source, now = packed, packed.live()
-    else:
+    source = _kept_source(fn, output_nr)
+    if source is None or (isinstance(source, _Shared) and source.depth != 1):
         return None
+    now = source.live() if isinstance(source, _Shared) else source
     if not _like(now, t):
         return None
     # Terms that add it as it is (x * 1 + -0.0 is x, -0.0 included; a NaN payload the check sees).
@@ -254,6 +307,16 @@ def _a_max_pool_output(t: Tensor, recompute: bool) -> bool:
     return _output_of(t, recompute)
 
 
+def _a_remade_op_output(t: Tensor, recompute: bool) -> bool:
+    """applies() of an op's output remade from its inputs (mul, div)."""
+    return _output_of(t, recompute)
+
+
+def _a_layer_norm_output(t: Tensor, recompute: bool) -> bool:
+    """applies() of a LayerNorm output remade from its input."""
+    return _output_of(t, recompute)
+
+
 def _after_a_batchnorm(t: Tensor, recompute: bool) -> bool:
     """applies() of a replay: an activation output whose input is a BatchNorm's, with recompute, worth
     keeping smaller (hooks._why_kept: a plain dense floating-point tensor of 4096 elements or more)."""
@@ -286,6 +349,8 @@ FORMS = (
     Row(Concatenated, frozenset({_CAT}), _a_concatenation, _extended),
     Row(Concatenated, frozenset({_CAT}), _a_concatenation, _chain_start),
     Row(Pooled, frozenset({_MAX_POOL}), _a_max_pool_output, _pooled),
+    Row(Remade, frozenset(_REMAKE), _a_remade_op_output, _remade),
+    Row(RemadeNorm, frozenset({_LAYER_NORM}), _a_layer_norm_output, _layer_norm),
     Row(Replayed, ACTIVATION_NODES, _after_a_batchnorm, _replayed),
     Row(Compacted, ACTIVATION_NODES, _zeros_mostly, _compacted),
     Row(TwoValued, frozenset({None}), _two_valued_candidate, _two_valued),

@@ -1,0 +1,323 @@
+"""save_compact()'s remade ops (forms.Remade): a mul or div output kept by a later node, kept as the op
+and its inputs, which its own node keeps (or, an input it did not need, another node: dropout's
+input), verified bit for bit when saved, run again in backward. Compared with PyTorch on adversarial
+data in the four float dtypes, in chains (HF's T5 / Llama RMSNorm), across threads, with in-place
+changes after the forward, and on transformers' own models."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import relu_ext
+from conftest import adversarial, assert_bitwise_equal
+from relu_ext.compact import forms, graph
+
+pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"mul": torch.mul, "div": torch.div}
+
+
+def _grads(f: Callable[..., torch.Tensor], inputs: list[torch.Tensor], ctx: Any = None) -> tuple:
+    """The loss `f(*inputs)` (run under `ctx`) and its gradients for `inputs`."""
+    if ctx is None:
+        loss = f(*inputs)
+    else:
+        with ctx:
+            loss = f(*inputs)
+    return (loss.detach(), *torch.autograd.grad(loss, inputs))
+
+
+def _assert_same(got: tuple, want: tuple) -> None:
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_bitwise_equal(a, b, f"output {i}")
+
+
+def test_the_remade_ops_are_the_ops_of_their_nodes():
+    """graph._REMAKE's op for each node is the op whose node it is (a row reads its inputs by name)."""
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    for name, (op, saved) in graph._REMAKE.items():
+        y = op(a, b)
+        assert y.grad_fn.name() == name and all(hasattr(y.grad_fn, f"_raw_saved_{s}") for s in saved)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_an_op_output_kept_by_a_later_node_is_remade_bit_for_bit(op, dtype):
+    """mul / div of two tensors that require grad (their node keeps both), kept by a later mul: remade,
+    and every gradient is PyTorch's, on adversarial data (NaN, ±inf, ±0, denormals) and a broadcast."""
+    x = adversarial(64 * 128, dtype).view(64, 128).requires_grad_()
+    y = adversarial(128, dtype, seed=1).requires_grad_()  # (broadcast along x's rows)
+    c = adversarial(64 * 128, dtype, seed=2).view(64, 128).requires_grad_()
+
+    def f(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (OPS[op](x, y) * c).nan_to_num().sum()
+
+    want = _grads(f, [x, y, c])
+    sc = relu_ext.save_compact()
+    got = _grads(f, [x, y, c], sc)
+    assert sc.remade == 2, sc.report()  # (op(x, y), kept by the mul; and that mul's output, by nan_to_num)
+    _assert_same(got, want)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """HF's T5 / Llama RMSNorm, as written there: its float32 chain, then the weight."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    h = x * torch.rsqrt(variance + eps)
+    return weight * h.to(weight.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_chain_is_remade_from_the_form_before_it(dtype):
+    """RMSNorm then a Linear: the normalized tensor (kept by the weight's mul) is remade, and the weighted
+    one (kept by the Linear, as a 2-D view) is remade from that form: a chain; gradients PyTorch's. In
+    bfloat16 and float16 the normalized tensor is float32 and cast back, and the cast (kept by the
+    weight's mul) is not remade yet: the weighted tensor is, from the cast kept as it is."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64).to(dtype)
+    weight = torch.nn.Parameter(torch.rand(256).to(dtype))
+    x = adversarial(4 * 32 * 256, dtype).view(4, 32, 256).requires_grad_()
+
+    def f(x: torch.Tensor, weight: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return lin(_rms_norm(x, weight)).float().nan_to_num().sum()
+
+    want = _grads(f, [x, weight, lin.weight])
+    made: list[forms.Remade] = []
+    sc = relu_ext.save_compact()
+    real = sc._packer._form
+
+    def noting(t: torch.Tensor, rows: Any) -> Any:
+        form = real(t, rows)
+        made.extend([form] if isinstance(form, forms.Remade) else [])
+        return form
+
+    sc._packer._form = noting
+    got = _grads(f, [x, weight, lin.weight], sc)
+    if dtype in (torch.float32, torch.float64):
+        assert sc.remade == 2 and [m.depth for m in made] == [1, 2], sc.report()
+        assert made[1].sources[1] is made[0]
+    else:
+        assert sc.remade == 1 and [m.depth for m in made] == [1], sc.report()
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("eps", [1e-5, 1e-12, 1e-3], ids=["eps1e-5", "eps1e-12", "eps_unknown"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_a_layer_norm_output_is_remade_bit_for_bit(dtype, eps, affine):
+    """A LayerNorm output kept by the next Linear (as a 2-D view), remade by PyTorch's LayerNorm from the
+    input its node keeps, with the eps found from its rstd; an eps not in LAYER_NORM_EPS is not found:
+    kept as it is. Gradients PyTorch's on adversarial data (specials in some rows)."""
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(256, eps=eps, elementwise_affine=affine).to(dtype)
+    if affine:
+        with torch.no_grad():
+            norm.weight.uniform_(-2, 2), norm.bias.uniform_(-1, 1)
+    lin = torch.nn.Linear(256, 32).to(dtype)
+    x = (torch.randn(4, 32, 256) * 3 + 1).to(dtype)
+    x[1, :4] = adversarial(4 * 256, dtype).view(4, 256)  # (rows of NaN, ±inf, ±0, denormals)
+    x.requires_grad_()
+    params = [x, lin.weight, *norm.parameters()]
+
+    def f(*_: torch.Tensor) -> torch.Tensor:
+        return lin(norm(x)).float().nan_to_num().sum()
+
+    want = _grads(f, params)
+    sc = relu_ext.save_compact()
+    got = _grads(f, params, sc)
+    assert sc.remade == (eps != 1e-3), sc.report()
+    _assert_same(got, want)
+
+
+def test_an_eps_that_matches_the_probe_alone_is_not_taken():
+    """Where an eps that is not the LayerNorm's gives the node's rstd on the probed row, and not the output
+    (here every row's variance dwarfs eps but one element of a row is off by an ulp: the probe's row is
+    found, the output misses), the tensor is kept as it is, never rebuilt wrong."""
+    norm, lin = torch.nn.LayerNorm(256, eps=1e-6), torch.nn.Linear(256, 8)
+    x = (torch.randn(4, 256) * 1e4).requires_grad_()
+    real = forms.LAYER_NORM_EPS
+    forms.LayerNormOf.__call__, call = (lambda self, x, w, b: torch.nextafter(
+        torch.native_layer_norm(x, self.shape, w, b, self.eps)[0], torch.tensor(float("inf")))), forms.LayerNormOf.__call__
+    try:
+        with relu_ext.save_compact() as sc:
+            loss = lin(norm(x)).sum()
+    finally:
+        forms.LayerNormOf.__call__ = call
+    assert real == forms.LAYER_NORM_EPS and sc.remade == 0, sc.report()
+    got = torch.autograd.grad(loss, [x, norm.weight])
+    _assert_same(got, torch.autograd.grad(lin(norm(x)).sum(), [x, norm.weight]))
+
+
+def test_dropout_input_kept_by_another_node():
+    """CPU dropout is a mul of its input by a noise tensor, and its node keeps the noise only: the input
+    comes from the node that keeps it (softmax keeps its output), so the dropout's output is remade."""
+    torch.manual_seed(0)
+    scores = torch.randn(2, 4, 64, 64, requires_grad=True)
+    v = torch.randn(2, 4, 64, 32, requires_grad=True)
+
+    def f(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(1)  # (the same noise in every run)
+        probs = torch.nn.functional.dropout(scores.softmax(-1), 0.1, training=True)
+        return (probs @ v).sum()
+
+    want = _grads(f, [scores, v])
+    sc = relu_ext.save_compact()
+    got = _grads(f, [scores, v], sc)
+    assert sc.remade == 1 and sc.two_valued == 1, sc.report()
+    _assert_same(got, want)
+
+
+def test_not_remade_where_an_input_is_kept_by_no_node():
+    """(x + 1) * y where only x requires grad: the node keeps y alone and no node keeps x + 1: kept as it is."""
+    x, y = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128)
+    c = torch.randn(64, 128, requires_grad=True)
+    with relu_ext.save_compact() as sc:
+        loss = (((x + 1) * y) * c).sum()
+    assert sc.remade == 0 and sc.kept_by_reason["not_activation"] >= 1, sc.report()
+    loss.backward()
+
+
+def test_a_miss_keeps_the_tensor():
+    """A form whose check fails (here: an op that gives other bits) keeps the tensor as it is."""
+    x, y = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
+    c = torch.randn(64, 128, requires_grad=True)
+    real = graph._REMAKE["MulBackward0"]
+    graph._REMAKE["MulBackward0"] = (lambda a, b: torch.mul(a, b) + 1, real[1])
+    try:
+        with relu_ext.save_compact() as sc:
+            loss = ((x * y) * c).sum()
+    finally:
+        graph._REMAKE["MulBackward0"] = real
+    assert sc.remade == 0 and sc.kept_by_reason["not_activation"] >= 2, sc.report()
+    got = torch.autograd.grad(loss, [x, y, c])
+    want = torch.autograd.grad(((x * y) * c).sum(), [x, y, c])
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("when", ["source", "output"])
+def test_changed_in_place_after_the_forward_raises_pytorchs_error(when):
+    """A source or the output changed in place after the forward: backward raises PyTorch's in-place
+    error, as it does without hooks, from the rebuild (before the remade tensor's own node would)."""
+    x, y = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
+    c = torch.randn(64, 128, requires_grad=True)
+    with relu_ext.save_compact() as sc:
+        a = x * 1  # (a non-leaf, so it may change in place)
+        z = a * y
+        loss = (z * c).sum()
+    assert sc.remade >= 1
+    with torch.no_grad():
+        (a if when == "source" else z).add_(1)
+    where = "remakes a tensor from this one" if when == "source" else "rebuilds it for backward"
+    with pytest.raises(RuntimeError, match=f"modified by an inplace operation.*{where}"):
+        loss.backward()
+
+
+def test_backward_on_another_thread_with_another_thread_count():
+    """Backward in a thread of its own, with another OpenMP thread count than the forward's (set inside
+    that thread: the count is per thread): the remade ops' bits do not depend on it."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 128, 1024, requires_grad=True)  # (large enough to split among threads)
+    weight = torch.nn.Parameter(torch.rand(1024))
+    lin = torch.nn.Linear(1024, 8)
+
+    def f(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return lin(_rms_norm(x, weight)).sum()
+
+    want = _grads(f, [x, weight])
+    with relu_ext.save_compact() as sc:
+        loss = f(x, weight)
+    assert sc.remade == 2
+    got: list[Any] = []
+
+    def run() -> None:
+        torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
+        got.extend(torch.autograd.grad(loss, [x, weight]))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    _assert_same((loss.detach(), *got), want)
+
+
+def _t5() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
+        feed_forward_proj="relu", dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(config), _tokens(128, 64, labels=True)
+
+
+def _llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config), _tokens(128, 64, labels=True)
+
+
+def _tokens(vocab: int, length: int, labels: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (2, length), generator=g)
+    return {"input_ids": ids, "labels": torch.randint(1, vocab, (2, length), generator=g)} if labels else {"input_ids": ids}
+
+
+def _decoder(name: str) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
+    """OPT (ReLU, LayerNorm), GPT-2 (LayerNorm, its tanh GELU in Python) or BERT (LayerNorm, GELU)."""
+
+    def make() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        transformers = pytest.importorskip("transformers")
+        if name == "opt":
+            config = transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, ffn_dim=256,
+                                            num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64)
+            return transformers.OPTForCausalLM(config), _tokens(128, 64, labels=True)
+        if name == "gpt2":
+            config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                             bos_token_id=1, eos_token_id=1)
+            return transformers.GPT2LMHeadModel(config), _tokens(128, 64, labels=True)
+        config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, intermediate_size=256,
+                                         num_attention_heads=4, max_position_embeddings=64)
+        return transformers.BertForMaskedLM(config), _tokens(128, 64, labels=True)
+
+    return make
+
+
+MODELS = {"t5_relu": _t5, "llama": _llama, "opt": _decoder("opt"), "gpt2": _decoder("gpt2"), "bert": _decoder("bert")}
+
+
+def _model_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ctx: Any) -> tuple:
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)  # (the same dropout noise in every run)
+    with ctx:
+        loss = model(**inputs).loss
+    loss.backward()
+    return (loss.detach(), *(p.grad for p in model.parameters() if p.grad is not None))
+
+
+@pytest.mark.quick(cover=())  # a real model takes seconds: the quick tier runs one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_transformers_train_bit_for_bit_with_remade_ops(name, dtype):
+    """A training step of transformers' T5 (ReLU), Llama (RMSNorm, SwiGLU), OPT, GPT-2 and BERT, from
+    configs with random weights, under install() + save_compact(), in float32 and bfloat16 autocast: the
+    loss and every gradient PyTorch's, with ops remade."""
+    import contextlib
+
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model.train()
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == torch.bfloat16 else contextlib.nullcontext
+    relu_ext.uninstall()
+    with amp():
+        want = _model_step(model, inputs, contextlib.nullcontext())
+    sc = relu_ext.save_compact()
+    with relu_ext.install(), amp():
+        got = _model_step(model, inputs, sc)
+    # (Under autocast a Linear keeps its input's bfloat16 cast, which is not remade yet: OPT's, from its
+    # LayerNorms, then holds none.)
+    assert sc.remade > 0 or (name == "opt" and dtype == torch.bfloat16), sc.report()
+    _assert_same(got, want)
