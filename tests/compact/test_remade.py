@@ -40,9 +40,11 @@ def _assert_same(got: tuple, want: tuple) -> None:
 def test_the_remade_ops_are_the_ops_of_their_nodes():
     """graph._REMAKE's op for each node is the op whose node it is (a row reads its inputs by name)."""
     a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
-    for name, (op, saved) in graph._REMAKE.items():
-        y = op(a, b)
-        assert y.grad_fn.name() == name and all(hasattr(y.grad_fn, f"_raw_saved_{s}") for s in saved)
+    for name, entry in graph._REMAKE.items():
+        y = entry.op(*(a, b)[: len(entry.inputs)])
+        assert y.grad_fn.name() == name
+        assert all(hasattr(y.grad_fn, f"_raw_saved_{s}") for s in entry.inputs)
+        assert all(hasattr(y.grad_fn, f"_saved_{s}") for s in entry.args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -62,6 +64,53 @@ def test_an_op_output_kept_by_a_later_node_is_remade_bit_for_bit(op, dtype):
     got = _grads(f, [x, y, c], sc)
     assert sc.remade == 2, sc.report()  # (op(x, y), kept by the mul; and that mul's output, by nan_to_num)
     _assert_same(got, want)
+
+
+ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_a_gelu_or_silu_output_is_remade_bit_for_bit(act, dtype):
+    """GELU (both approximations) and SiLU outputs kept by the next Linear (a 2-D view), remade from the
+    input their node keeps, with the forward's thread count; gradients PyTorch's on adversarial data,
+    at a size the CPU kernels split among threads."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 8).to(dtype)
+    x = adversarial(8 * 64 * 512, dtype).view(8, 64, 512).requires_grad_()
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return lin(ACTS[act](x)).float().nan_to_num().sum()
+
+    want = _grads(f, [x, lin.weight])
+    sc = relu_ext.save_compact()
+    got = _grads(f, [x, lin.weight], sc)
+    assert sc.remade == 1, sc.report()
+    _assert_same(got, want)
+
+
+def test_a_rebuild_that_differs_from_the_forward_raises():
+    """A remade GELU output whose rebuild gives other bits than the forward's (here: an op changed after
+    the forward; in use, an OpenMP runtime that ran it on fewer threads) raises, naming the way out,
+    instead of giving other gradients."""
+    lin, x = torch.nn.Linear(512, 8), torch.randn(4, 16, 512, requires_grad=True)
+    with relu_ext.save_compact() as sc:
+        loss = lin(torch.nn.functional.gelu(x)).sum()
+    made, todo = [], [loss.grad_fn]
+    while todo:  # (the Linear keeps a 2-D view of the GELU output: its form is the view's inner one)
+        fn = todo.pop()
+        saved = getattr(fn, "_raw_saved_mat1", None)
+        if saved is not None and isinstance(saved.data, forms._ViewOf):
+            made.append(saved.data.inner)
+        todo.extend(f for f, _ in fn.next_functions if f is not None)
+    assert len(made) == 1 and isinstance(made[0], forms.Remade) and made[0].threads == torch.get_num_threads() and made[0].fingerprint is not None
+    made[0].op = lambda t: torch.nextafter(torch.nn.functional.gelu(t), torch.tensor(float("inf")))
+    with pytest.raises(RuntimeError, match="gave other bits than the forward's.*recompute=False"):
+        loss.backward()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -186,7 +235,7 @@ def test_a_miss_keeps_the_tensor():
     x, y = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
     c = torch.randn(64, 128, requires_grad=True)
     real = graph._REMAKE["MulBackward0"]
-    graph._REMAKE["MulBackward0"] = (lambda a, b: torch.mul(a, b) + 1, real[1])
+    graph._REMAKE["MulBackward0"] = real._replace(op=lambda a, b: torch.mul(a, b) + 1)
     try:
         with relu_ext.save_compact() as sc:
             loss = ((x * y) * c).sum()
@@ -216,16 +265,20 @@ def test_changed_in_place_after_the_forward_raises_pytorchs_error(when):
         loss.backward()
 
 
-def test_backward_on_another_thread_with_another_thread_count():
+@pytest.mark.parametrize("block", ["rms_norm", "gelu"])
+def test_backward_on_another_thread_with_another_thread_count(block):
     """Backward in a thread of its own, with another OpenMP thread count than the forward's (set inside
-    that thread: the count is per thread): the remade ops' bits do not depend on it."""
+    that thread: the count is per thread): the remade ops' bits do not depend on it (mul's do not depend
+    on the split; GELU is run again with the forward's count). Odd sizes: the chunks of the split end
+    inside a vector."""
     torch.manual_seed(0)
-    x = torch.randn(8, 128, 1024, requires_grad=True)  # (large enough to split among threads)
-    weight = torch.nn.Parameter(torch.rand(1024))
-    lin = torch.nn.Linear(1024, 8)
+    x = torch.randn(7, 129, 1023, requires_grad=True)  # (large enough to split among threads)
+    weight = torch.nn.Parameter(torch.rand(1023))
+    lin = torch.nn.Linear(1023, 8)
 
     def f(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return lin(_rms_norm(x, weight)).sum()
+        h = _rms_norm(x, weight) if block == "rms_norm" else torch.nn.functional.gelu(x * weight)
+        return lin(h).sum()
 
     want = _grads(f, [x, weight])
     with relu_ext.save_compact() as sc:

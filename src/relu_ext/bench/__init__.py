@@ -25,9 +25,10 @@ Sections (--what):
            and of the module (nn.ReLU / relu_ext.ReLU).
   memory   bytes saved for backward per element of one activation; and real
            models (torchvision resnet18, resnet50, vgg11, googlenet,
-           densenet121, mobilenet_v2, a darknet-style CNN and a transformers
-           T5 with ReLU, random weights, training mode; --quick: resnet18 and
-           T5 at toy sizes) under five
+           densenet121, mobilenet_v2, a darknet-style CNN, transformers' T5
+           with ReLU, OPT, BERT, GPT-2, Llama and Gemma (2 layers of 256,
+           4x256 tokens) and timm's vit_tiny_patch16_224, random weights,
+           training mode; --quick: resnet18 and T5 at toy sizes) under five
            configurations, nn.ReLU, install (relu_ext.install()),
            install+compact (and relu_ext.save_compact(recompute=False)),
            install+recompute (and relu_ext.save_compact()) and

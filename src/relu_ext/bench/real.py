@@ -40,15 +40,18 @@ import relu_ext
 
 from . import models, peers, timing
 
-MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "mobilenet_v2", "darknet", "t5_relu"]
+# transformers' decoders and encoders, from their configs (transformer()): ReLU (OPT, T5) and not.
+TRANSFORMERS = ["opt", "bert", "gpt2", "llama", "gemma"]
+MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "mobilenet_v2", "darknet", "t5_relu",
+          *TRANSFORMERS, "vit_tiny"]
 QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
 CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReLU+compact"]
 COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
 # The package each built-in model needs beyond torch (None: built here); the others need torchvision.
-NEEDS = {"darknet": None, "t5_relu": "transformers"}
+NEEDS = {"darknet": None, "t5_relu": "transformers", **dict.fromkeys(TRANSFORMERS, "transformers"), "vit_tiny": "timm"}
 # Images per batch at 112x112 (64x64 with --quick): what this 2-core machine steps through in about a second.
 BATCH = {"resnet18": 16, "resnet50": 8, "vgg11": 8, "googlenet": 16, "densenet121": 8, "mobilenet_v2": 16,
-         "darknet": 16, "t5_relu": 8}
+         "darknet": 16, "t5_relu": 8, **dict.fromkeys(TRANSFORMERS, 4), "vit_tiny": 8}
 
 
 class UserModelError(ValueError):
@@ -172,6 +175,17 @@ def build(name: str, dtype: torch.dtype, device: str, quick: bool,
         g = torch.Generator().manual_seed(0)
         inputs = {"input_ids": torch.randint(1, 512, (batch, length), generator=g).to(device),
                   "labels": torch.randint(1, 512, (batch, length), generator=g).to(device)}
+    elif name in TRANSFORMERS:
+        model = transformer(name, 64 if quick else 256)
+        batch, length = (2, 16) if quick else (BATCH[name], 256)
+        ids = torch.randint(1, 1024, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
+        inputs = {"input_ids": ids, "labels": ids}
+    elif name == "vit_tiny":
+        import timm
+
+        side = 64 if quick else 224
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=side)
+        inputs = torch.randn(2 if quick else BATCH[name], 3, side, side, dtype=dtype, device=device)
     elif name == "darknet":
         model = darknet(16 if quick else 32)
         batch, side = (2, 64) if quick else (BATCH[name], 112)
@@ -184,6 +198,36 @@ def build(name: str, dtype: torch.dtype, device: str, quick: bool,
         batch, side = (2, 64) if quick else (BATCH[name], 112)
         inputs = torch.randn(batch, 3, side, side, dtype=dtype, device=device)
     return model.to(device=device, dtype=dtype).train(), inputs
+
+
+def transformer(name: str, width: int) -> nn.Module:
+    """One of TRANSFORMERS, from transformers' config with random weights: 2 layers of `width` (4 heads,
+    feed-forward 4 x `width`, Llama's and Gemma's 2.7 x, as theirs), a vocabulary of 1024, each
+    family's own activation, norm and default dropout."""
+    import transformers as tf
+
+    ffn = 4 * width
+    if name == "opt":  # ReLU, LayerNorm
+        return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=1024, hidden_size=width, num_hidden_layers=2, ffn_dim=ffn,
+                                              num_attention_heads=4, max_position_embeddings=256,
+                                              word_embed_proj_dim=width))
+    if name == "bert":  # GELU, LayerNorm
+        return tf.BertForMaskedLM(tf.BertConfig(vocab_size=1024, hidden_size=width, num_hidden_layers=2,
+                                                intermediate_size=ffn, num_attention_heads=4,
+                                                max_position_embeddings=256))
+    if name == "gpt2":  # GELU's tanh formula in Python, LayerNorm
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=1024, n_embd=width, n_layer=2, n_head=4, n_positions=256,
+                                                bos_token_id=1, eos_token_id=1))
+    ffn = (ffn * 2 // 3 + 15) // 16 * 16
+    if name == "llama":  # SwiGLU, RMSNorm in Python
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=1024, hidden_size=width, num_hidden_layers=2,
+                                                  intermediate_size=ffn, num_attention_heads=4, num_key_value_heads=4,
+                                                  max_position_embeddings=256))
+    if name == "gemma":  # GeGLU (GELU's tanh approximation), RMSNorm in Python
+        return tf.GemmaForCausalLM(tf.GemmaConfig(vocab_size=1024, hidden_size=width, num_hidden_layers=2,
+                                                  intermediate_size=ffn, num_attention_heads=4, num_key_value_heads=4,
+                                                  head_dim=width // 4, max_position_embeddings=256))
+    raise ValueError(f"unknown transformer {name!r}; choose from {TRANSFORMERS}")
 
 
 def describe(name: str, inputs: Any) -> str:

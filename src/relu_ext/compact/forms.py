@@ -9,13 +9,14 @@ indices), ``_ViewOf`` (a view of another's form); all but ``_Dense`` and ``_View
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
 
-from .bits import _bools_of, _same_bits_later
+from .bits import _INTS, _bools_of, _same_bits_later
 from .deferred import Deferred
 from .graph import _inputs
 from .streams import STREAMS
@@ -565,22 +566,36 @@ class Remade(_Shared):
     """A saved tensor (kept by a later node) as the op that made it and that op's inputs, which the op's
     own node keeps anyway (in the form this context saved them: as they are, compacted, rebuilt,
     remade: a chain), run again in backward. The same op on the same inputs gives the same bits
-    (verified when saved), for the ops of graph._REMAKE whatever the threads: their bits do not depend
-    on how the work is split. The op's node runs its backward after the later node's, so its inputs
-    are there when this is rebuilt."""
+    (verified when saved). The op's node runs its backward after the later node's, so its inputs
+    are there when this is rebuilt.
 
-    __slots__ = ("op", "sources", "versions")
+    An op whose CPU bits depend on how its work is split among threads (graph._Remake.by_split: GELU,
+    SiLU) is run again with the forward's thread count (``threads``: OpenMP's count is per thread, and
+    backward may run on another thread), and its result is checked against the sum of the forward's
+    bits (``fingerprint``): a rebuild that differs (an OpenMP runtime that gave it fewer threads)
+    raises an error instead of giving other gradients."""
+
+    __slots__ = ("op", "sources", "versions", "threads", "fingerprint")
     kind = "remade"
 
-    def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None]) -> None:
+    def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None], by_split: bool = False) -> None:
         super().__init__(t, 0, 1 + sum(s.depth for s in sources if isinstance(s, _Shared)))
         self.op, self.sources = op, tuple(sources)  # (a source None: an input the op was given as None)
         self.versions = tuple(s._version if isinstance(s, Tensor) else None for s in sources)
+        pinned = by_split and t.device.type == "cpu"
+        self.threads = torch.get_num_threads() if pinned else None
+        self.fingerprint = _bits_sum(t.detach()) if pinned else None
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout (a source rebuilt for it is kept for the
         nodes that saved it, which unpack it next)."""
-        return self._make(live=False)
+        t = self._make(live=False)
+        if self.fingerprint is not None and not Deferred(_bits_sum(t) == self.fingerprint).flag():
+            raise RuntimeError(
+                f"relu_ext.save_compact: remaking a saved tensor with {self.op} on {self.threads} threads gave other "
+                "bits than the forward's (the OpenMP runtime ran it on fewer threads: OMP_DYNAMIC or a thread "
+                "limit?). Use save_compact(recompute=False), or run backward with the forward's thread count.")
+        return t
 
     def _live(self) -> Tensor:
         """The saved tensor while packing (see _Shared.live)."""
@@ -588,9 +603,10 @@ class Remade(_Shared):
 
     def _make(self, live: bool) -> Tensor:
         why = "relu_ext.save_compact remakes a tensor from this one, which changed after the forward"
-        args = ((s.live() if live else s.current(keep=True)) if isinstance(s, _Shared)
-                else None if s is None else _checked(s, v, why) for s, v in zip(self.sources, self.versions))
-        return self.op(*args)
+        args = [(s.live() if live else s.current(keep=True)) if isinstance(s, _Shared)
+                else None if s is None else _checked(s, v, why) for s, v in zip(self.sources, self.versions)]
+        with _threads(self.threads):
+            return self.op(*args)
 
     def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
@@ -655,6 +671,26 @@ class RemadeNorm(Remade):
         if now.dtype != t.dtype or now.stride() != t.stride():
             return self.missed_as
         return Deferred(_same_bits_later([(now, t)]))
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """Run what follows with `count` intra-op threads in this thread (None: as they are)."""
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bits_sum(t: Tensor) -> Tensor:
+    """The sum of `t`'s elements' bit patterns as integers (int64, on its device): a fingerprint that
+    any change of an element's bits changes (Remade)."""
+    return t.view(_INTS[t.element_size()]).sum(dtype=torch.int64)
 
 
 def _checked(t: Tensor, version: int | None, why: str) -> Tensor:

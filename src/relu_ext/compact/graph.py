@@ -10,6 +10,7 @@ shape.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, NamedTuple
 
@@ -21,13 +22,29 @@ from torch import Tensor
 _BN_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
 # Nodes whose outputs are kept as recipes of what other nodes keep (recipes.FORMS).
 _CAT, _MAX_POOL = "CatBackward0", "MaxPool2DWithIndicesBackward0"
-# Nodes of ops whose output is remade from the inputs the node itself keeps (forms.Remade): the op and
-# the names it saves them as. Only ops whose bits do not depend on how the work is split among
-# threads or vector lanes: an IEEE multiply or divide of the same two inputs is the same, whichever
-# loop computes it (a transcendental such as GELU's erf is not: its vector and scalar loops differ).
-_REMAKE: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "MulBackward0": (torch.ops.aten.mul.Tensor, ("self", "other")),
-    "DivBackward0": (torch.ops.aten.div.Tensor, ("self", "other")),
+# LayerNorm's node, whose output is remade by PyTorch's LayerNorm (forms.RemadeNorm).
+_LAYER_NORM = "NativeLayerNormBackward0"
+
+
+class _Remake(NamedTuple):
+    """How an op's output is remade from what its node saved (forms.Remade): the op, the names the node
+    saves its tensor inputs as (in the op's order), and its other arguments as (passed as keywords);
+    `by_split`: whether its bits on the CPU depend on how the work is split among threads (its
+    vector and scalar loops differ in last bits: a transcendental such as GELU's erf), so that a
+    rebuild runs with the forward's thread count. An IEEE multiply or divide is the same in every loop."""
+
+    op: Any
+    inputs: tuple[str, ...]
+    args: tuple[str, ...] = ()
+    by_split: bool = False
+
+
+# Nodes of ops whose output is remade from the inputs the node itself keeps.
+_REMAKE: dict[str, _Remake] = {
+    "MulBackward0": _Remake(torch.ops.aten.mul.Tensor, ("self", "other")),
+    "DivBackward0": _Remake(torch.ops.aten.div.Tensor, ("self", "other")),
+    "GeluBackward0": _Remake(torch.ops.aten.gelu.default, ("self",), ("approximate",), by_split=True),
+    "SiluBackward0": _Remake(torch.ops.aten.silu.default, ("self",), by_split=True),
 }
 
 
@@ -123,26 +140,23 @@ def _node_name(fn: Any) -> str | None:
     return None if fn is None else fn.name()
 
 
-_LAYER_NORM = "NativeLayerNormBackward0"
-
 
 def _layer_norm_saved(fn: Any) -> tuple[tuple[int, ...], _Saved, _Saved, _Saved, _Saved]:
     """What LayerNorm node `fn` saved, not unpacked: its normalized shape, input, weight and bias (no
     data: none), and rstd (``result2``); not its eps, which it does not keep.
-    Checked on torch 2.11, 2.14.1 and 2.15.0."""
+    Checked on torch 2.11 and 2.15.0."""
     shape = tuple(fn._saved_normalized_shape)
     return (shape, *(_raw_saved(fn, name) for name in ("input", "weight", "bias", "result2")))
 
 
-def _remake_of(fn: Any) -> tuple[Any, list[_Saved]] | None:
-    """For a node of _REMAKE: its op, and what it saved of the op's inputs, in the op's order, not
-    unpacked (an input it did not save has no data); None for another node. Checked on torch 2.11,
-    2.14.1 and 2.15.0."""
-    entry = _REMAKE.get(fn.name())
-    if entry is None:
-        return None
-    op, names = entry
-    return op, [_raw_saved(fn, name) for name in names]
+def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool]:
+    """For a node of _REMAKE: its op (with the node's other arguments bound), what it saved of the op's
+    tensor inputs, in the op's order, not unpacked (an input it did not save has no data), and the
+    op's `by_split`. Checked on torch 2.11 and 2.15.0."""
+    entry = _REMAKE[fn.name()]
+    kwargs = {name: getattr(fn, f"_saved_{name}") for name in entry.args}
+    op = functools.partial(entry.op, **kwargs) if kwargs else entry.op
+    return op, [_raw_saved(fn, name) for name in entry.inputs], entry.by_split
 
 
 def _cat_dim(t: Tensor) -> int:

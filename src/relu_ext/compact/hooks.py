@@ -38,7 +38,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     ``value=0``, Hardsigmoid): nonzero values plus a bitmap. A concatenation that begins with the
     previous one kept (DenseNet's) is kept as its pieces plus what it adds (*concatenated*, with
     recompute), a max-pool output as the pool's input at its indices (*pooled*, with recompute), a
-    ``mul``, ``div`` or LayerNorm output as that op and the inputs its node keeps (*remade*, with
+    ``mul``, ``div``, LayerNorm, GELU or SiLU output as that op and the inputs its node keeps (*remade*, with
     recompute; a view of it with all its elements, as a Linear on a 3-D input keeps, as well), an
     integer tensor only the graph holds (max-pool indices) in the narrowest type that holds it
     (*narrowed*, at the exit), and one of +0 and one other value that no node made (dropout's noise,
@@ -128,8 +128,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
 
     @property
     def remade(self) -> int:
-        """Distinct tensors saved for backward kept as the op that made them (mul, div) and its inputs,
-        which its node keeps anyway; run again in backward."""
+        """Distinct tensors saved for backward kept as the op that made them (mul, div, LayerNorm, GELU,
+        SiLU) and its inputs, which its node keeps anyway; run again in backward."""
         return self._settled().count["remade"]
 
     @property

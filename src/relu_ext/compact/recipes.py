@@ -115,7 +115,7 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
     """`t` (an output of an op of graph._REMAKE) as that op and its inputs, which its node keeps, or
     (an input it did not need) another node that this context saved it for: where every input is kept,
     and the op run again on them gives `t`'s dtype, shape and strides."""
-    op, saved = _remake_of(t.grad_fn)
+    op, saved, by_split = _remake_of(t.grad_fn)
     sources = []
     for s, (fn, output_nr) in zip(saved, _inputs(t)):
         source = _source(s, packer.unpack)
@@ -127,7 +127,7 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
     now = op(*(s.live() if isinstance(s, _Shared) else s for s in sources))
     if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride():
         return None
-    return Made(Remade(t, op, sources), _same_bits_later([(now, t.detach())]))
+    return Made(Remade(t, op, sources, by_split), _same_bits_later([(now, t.detach())]))
 
 
 def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
@@ -308,7 +308,7 @@ def _a_max_pool_output(t: Tensor, recompute: bool) -> bool:
 
 
 def _a_remade_op_output(t: Tensor, recompute: bool) -> bool:
-    """applies() of an op's output remade from its inputs (mul, div)."""
+    """applies() of an op's output remade from its inputs (mul, div, GELU, SiLU)."""
     return _output_of(t, recompute)
 
 

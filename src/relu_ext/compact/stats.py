@@ -20,7 +20,7 @@ _KINDS = {
     "compacted": ("compacted", "tensor", ""),
     "concatenated": ("concatenations", "tensor", " (each the one before it, shared, and what it adds)"),
     "pooled": ("max-pool outputs", "tensor", " (gathered from the pool's input at its indices)"),
-    "remade": ("remade", "tensor", " (the op that made them run again on the inputs its node keeps: mul, div)"),
+    "remade": ("remade", "tensor", " (the op that made them, run again on the inputs its node keeps)"),
     "narrowed": ("narrowed", "integer tensor", " (max-pool indices and the like, in a narrower integer type)"),
     "two_valued": ("two-valued", "tensor",
                    " (zeros and one other value, such as dropout's noise or mask, as a bitmap)"),
