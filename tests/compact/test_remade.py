@@ -47,6 +47,7 @@ def test_the_remade_ops_are_the_ops_of_their_nodes():
         assert all(hasattr(y.grad_fn, f"_saved_{s}") for s in entry.args)
 
 
+@pytest.mark.quick(cover=("op",))  # (every dtype: the full tier, CI's --rest leg)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_an_op_output_kept_by_a_later_node_is_remade_bit_for_bit(op, dtype):
@@ -73,6 +74,7 @@ ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+@pytest.mark.quick(cover=("act",))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", ACTS)
 def test_a_gelu_or_silu_output_is_remade_bit_for_bit(act, dtype):
@@ -120,6 +122,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch
     return weight * h.to(weight.dtype)
 
 
+@pytest.mark.quick(cover=())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_chain_is_remade_from_the_form_before_it(dtype):
     """RMSNorm then a Linear: the normalized tensor (kept by the weight's mul) is remade, and the weighted
@@ -154,6 +157,7 @@ def test_a_chain_is_remade_from_the_form_before_it(dtype):
     _assert_same(got, want)
 
 
+@pytest.mark.quick(cover=("eps",))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("eps", [1e-5, 1e-12, 1e-3], ids=["eps1e-5", "eps1e-12", "eps_unknown"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
@@ -245,6 +249,52 @@ def test_a_miss_keeps_the_tensor():
     got = torch.autograd.grad(loss, [x, y, c])
     want = torch.autograd.grad(((x * y) * c).sum(), [x, y, c])
     _assert_same(got, want)
+
+
+def test_backward_under_autocast_remakes_as_the_forward_did():
+    """A forward under bfloat16 autocast and a backward under autocast too (float32 LayerNorm outputs,
+    which autocast would run in another dtype): remade as the forward's nodes recorded them, gradients
+    PyTorch's."""
+    torch.manual_seed(0)
+    norm, lin = torch.nn.LayerNorm(256), torch.nn.Linear(256, 64)
+    x = torch.randn(4, 32, 256, requires_grad=True)
+    params = [x, norm.weight, lin.weight]
+
+    def step(ctx: Any) -> tuple:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with ctx:
+                h = torch.nn.functional.gelu(norm(x)) * norm.weight
+                loss = lin(h).float().sum()
+            return (loss.detach(), *torch.autograd.grad(loss, params))
+
+    import contextlib
+
+    want = step(contextlib.nullcontext())
+    sc = relu_ext.save_compact()
+    got = step(sc)
+    assert sc.remade >= 2, sc.report()
+    _assert_same(got, want)
+
+
+def test_the_report_names_each_remade_op_with_its_bytes_and_misses():
+    """report() lists the remade tensors by op, with their bytes, and the checks that failed by op."""
+    torch.manual_seed(0)
+    lin, norm, w = torch.nn.Linear(256, 256), torch.nn.LayerNorm(256), torch.nn.Parameter(torch.rand(256))
+    x = torch.randn(32, 256, requires_grad=True)
+
+    def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.mul(a, b) + 1  # (its check fails)
+
+    real = graph._REMAKE["MulBackward0"]
+    graph._REMAKE["MulBackward0"] = real._replace(op=mul)
+    try:
+        with relu_ext.save_compact() as sc:
+            loss = lin(torch.nn.functional.gelu(norm(x) * w)).sum()
+    finally:
+        graph._REMAKE["MulBackward0"] = real
+    line = next(line for line in sc.report().splitlines() if line.strip().startswith("remade:"))
+    assert sc.remade == 2 and line.endswith("by op: layer_norm 1 (32.00 KiB), gelu 1 (32.00 KiB), mul 0 (0 B, 1 missed)")
+    loss.backward()
 
 
 @pytest.mark.parametrize("when", ["source", "output"])

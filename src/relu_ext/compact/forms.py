@@ -60,6 +60,7 @@ class _Shared:
     __slots__ = ("pending", "restored", "nbytes", "depth", "whole", "saved", "saved_version", "stream",
                  "__weakref__")
     kind: ClassVar[str]  # what save_compact counts it as (a key of stats._KINDS)
+    op_name: str | None = None  # the op that remakes it (Remade), for the report
     missed_as: ClassVar[str] = "not_activation"  # why a tensor whose check failed is counted as kept
 
     def __init__(self, t: Tensor, nbytes: int, depth: int = 1) -> None:
@@ -575,12 +576,13 @@ class Remade(_Shared):
     bits (``fingerprint``): a rebuild that differs (an OpenMP runtime that gave it fewer threads)
     raises an error instead of giving other gradients."""
 
-    __slots__ = ("op", "sources", "versions", "threads", "fingerprint")
+    __slots__ = ("op", "sources", "versions", "threads", "fingerprint", "op_name")
     kind = "remade"
 
     def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None], by_split: bool = False) -> None:
         super().__init__(t, 0, 1 + sum(s.depth for s in sources if isinstance(s, _Shared)))
         self.op, self.sources = op, tuple(sources)  # (a source None: an input the op was given as None)
+        self.op_name = _op_name(op)
         self.versions = tuple(s._version if isinstance(s, Tensor) else None for s in sources)
         pinned = by_split and t.device.type == "cpu"
         self.threads = torch.get_num_threads() if pinned else None
@@ -605,8 +607,7 @@ class Remade(_Shared):
         why = "relu_ext.save_compact remakes a tensor from this one, which changed after the forward"
         args = [(s.live() if live else s.current(keep=True)) if isinstance(s, _Shared)
                 else None if s is None else _checked(s, v, why) for s, v in zip(self.sources, self.versions)]
-        with _threads(self.threads):
-            return self.op(*args)
+        return run_as_forward(self.op, args, self.threads)
 
     def _fresh(self) -> bool:
         """Whether rebuild() would succeed: the tensors it reads are at the versions they had."""
@@ -628,13 +629,15 @@ LAYER_NORM_EPS = (1e-5, 1e-6, 1e-12, 1e-8, 1e-7)
 
 
 class LayerNormOf(NamedTuple):
-    """PyTorch's LayerNorm output as an op of its input, weight and bias (a RemadeNorm's op)."""
+    """PyTorch's LayerNorm as an op of its input, weight and bias (a RemadeNorm's op): its `output`
+    (0: the output; 2: rstd)."""
 
     shape: tuple[int, ...]
     eps: float
+    output: int = 0
 
     def __call__(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-        return torch.native_layer_norm(x, self.shape, weight, bias, self.eps)[0]
+        return torch.native_layer_norm(x, self.shape, weight, bias, self.eps)[self.output]
 
 
 class RemadeNorm(Remade):
@@ -649,7 +652,7 @@ class RemadeNorm(Remade):
 
     def __init__(self, t: Tensor, shape: tuple[int, ...], sources: list[Tensor | _Shared | None]) -> None:
         super().__init__(t, None, sources)
-        self.shape = shape
+        self.shape, self.op_name = shape, "layer_norm"
         self.untried: list[float] | None = None  # (None: the probe's check is not back)
 
     def checked(self, check: Deferred) -> bool | str | Deferred:
@@ -671,6 +674,22 @@ class RemadeNorm(Remade):
         if now.dtype != t.dtype or now.stride() != t.stride():
             return self.missed_as
         return Deferred(_same_bits_later([(now, t)]))
+
+
+def _op_name(op: Any) -> str | None:
+    """An op's short name for the report: ``mul`` for ``aten.mul.Tensor`` (bound arguments aside)."""
+    op = getattr(op, "func", op)  # (functools.partial)
+    name = getattr(op, "_opname", None)  # (an OpOverload's)
+    return name if name is not None else getattr(op, "__name__", None)
+
+
+def run_as_forward(op: Any, args: list[Any], threads: int | None = None) -> Tensor:
+    """op(*args) as the forward ran it: with `threads` intra-op threads (None: as they are), and
+    autocast off (a node records its op after autocast's casts, and backward may run under autocast)."""
+    device = next(a.device.type for a in args if isinstance(a, Tensor))
+    off = torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+    with _threads(threads), off:
+        return op(*args)
 
 
 @contextlib.contextmanager

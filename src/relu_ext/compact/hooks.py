@@ -336,6 +336,8 @@ class _Packer:
             self._count(form, nbytes)
             return True
         self.stats.replay_misses += form.kind == "replayed"
+        if form.op_name is not None:
+            self.stats.op_misses[form.op_name] += 1
         return False
 
     def _count(self, form: _Shared, nbytes: int) -> None:
@@ -343,7 +345,7 @@ class _Packer:
         if form.kept_as_is():
             self.stats.keep(form.missed_as, nbytes)
         else:
-            self.stats.add(form.kind, nbytes, form.nbytes)
+            self.stats.add(form.kind, nbytes, form.nbytes, form.op_name)
 
     def _hold(self, form: _Shared, check: Deferred, nbytes: int, device: torch.device) -> None:
         """Let `form` stand for its tensor, of `nbytes` bytes on `device`, as that tensor until `check`

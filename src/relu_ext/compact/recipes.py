@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from .bits import _INTS, _bool_bits, _is_dense, _same_bits_later
-from .forms import (LAYER_NORM_EPS, Compacted, Concatenated, Pooled, Remade, RemadeNorm, Replayed, TwoValued, _Dense,
-                    _gathered, _Shared)
+from .forms import (LAYER_NORM_EPS, Compacted, Concatenated, LayerNormOf, Pooled, Remade, RemadeNorm, Replayed,
+                    TwoValued, _Dense, _gathered, _Shared, run_as_forward)
 from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, _activation_of, _after_batchnorm,
                     _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs, _is_batchnorm, _kept,
                     _layer_norm_saved, _mostly_zeros, _raw_saved, _relu_ext_mask, _remake_of, _Saved)
@@ -124,7 +124,7 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
         if source is None:
             return None
         sources.append(source)
-    now = op(*(s.live() if isinstance(s, _Shared) else s for s in sources))
+    now = run_as_forward(op, [s.live() if isinstance(s, _Shared) else s for s in sources])
     if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride():
         return None
     return Made(Remade(t, op, sources, by_split), _same_bits_later([(now, t.detach())]))
@@ -149,7 +149,8 @@ def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
     rstd = rstd.reshape(-1)
     at = torch.where(rstd.isnan(), torch.zeros_like(rstd), rstd).argmax().reshape(1)
     row = x.reshape(-1, *shape).index_select(0, at)
-    probes = torch.cat([torch.native_layer_norm(row, shape, weight, bias, eps)[2].reshape(1) for eps in LAYER_NORM_EPS])
+    probes = torch.cat([run_as_forward(LayerNormOf(shape, eps, output=2), [row, weight, bias]).reshape(1)
+                        for eps in LAYER_NORM_EPS])
     bits = _INTS[rstd.element_size()]
     return Made(RemadeNorm(t, shape, sources), probes.view(bits).eq(rstd.index_select(0, at).view(bits)))
 

@@ -37,7 +37,8 @@ class _Stats:
     (parameters, buffers, inputs and views of them), all counted as ``not_activation``; report()
     lists them apart."""
 
-    __slots__ = ("count", "nbytes", "held", "replay_misses", "kept_by_reason", "outside", "outside_bytes")
+    __slots__ = ("count", "nbytes", "held", "replay_misses", "kept_by_reason", "outside", "outside_bytes", "ops",
+                 "op_bytes", "op_misses")
 
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()
@@ -46,12 +47,20 @@ class _Stats:
         self.replay_misses = 0
         self.kept_by_reason = dict.fromkeys(_REASONS, 0)
         self.outside = self.outside_bytes = 0
+        # Remade tensors by the op that remakes them (a form's ``op_name``): tensors, their bytes, and
+        # the checks that failed (those tensors kept as they are).
+        self.ops: Counter[str] = Counter()
+        self.op_bytes: Counter[str] = Counter()
+        self.op_misses: Counter[str] = Counter()
 
-    def add(self, kind: str, nbytes: int, held: int) -> None:
-        """Count a tensor of `nbytes` bytes, kept as `kind` in `held` bytes."""
+    def add(self, kind: str, nbytes: int, held: int, op: str | None = None) -> None:
+        """Count a tensor of `nbytes` bytes, kept as `kind` in `held` bytes (remade by `op`, if any)."""
         self.count[kind] += 1
         self.nbytes[kind] += nbytes
         self.held[kind] += held
+        if op is not None:
+            self.ops[op] += 1
+            self.op_bytes[op] += nbytes
 
     def keep(self, reason: str, nbytes: int, outside: bool = False) -> None:
         """Count a tensor of `nbytes` bytes, saved as it is for `reason`; `outside`: held outside the graph
@@ -98,6 +107,11 @@ class _Stats:
                         f"{_size(self.held[kind])}{how}")
                 if kind == "replayed":
                     line += f"; {misses} verification miss{'es' * (misses != 1)}"
+                if kind == "remade" and (self.ops or self.op_misses):
+                    line += "; by op: " + ", ".join(
+                        f"{op} {self.ops[op]} ({_size(self.op_bytes[op])}"
+                        + (f", {self.op_misses[op]} missed" if self.op_misses[op] else "") + ")"
+                        for op in sorted(self.ops | self.op_misses, key=lambda o: -self.op_bytes[o]))
                 lines.append(line)
         reasons = dict(self.kept_by_reason, not_activation=self.kept_by_reason["not_activation"] - self.outside)
         why = ", ".join(f"{k} {_REASONS[r]}" for r, k in reasons.items() if k)
