@@ -563,13 +563,51 @@ def test_compiled_configurations_run_what_they_say():
 
     model, x = real.build("resnet18", torch.float32, "cpu", quick=True)
     assert real.prepare(model, "install+compact") is model
-    plain, ext = (real.prepare(model, c, "aot_eager") for c in real.COMPILED_CONFIGS)
+    plain, ext = (real.prepare(model, c, "aot_eager") for c in ("compile nn.ReLU", "compile relu_ext"))
     kinds = {c: {type(m) for m in mod._orig_mod.modules()} for c, mod in (("plain", plain), ("ext", ext))}
     assert torch.nn.ReLU in kinds["plain"] and relu_ext.ReLU not in kinds["plain"]
     assert relu_ext.ReLU in kinds["ext"] and torch.nn.ReLU not in kinds["ext"]
     assert plain._orig_mod is model
     with torch.no_grad():
         assert_bitwise_equal(real.loss_of(ext, x), real.loss_of(plain, x))
+
+
+@pytest.mark.quick(cover=())  # (a real model each, at the benchmark's size)
+@pytest.mark.parametrize("name", ["resnet18", "t5_relu"])
+def test_selective_checkpointing_runs_what_it_says(name):
+    """sac nn.ReLU: a copy of the model (same weights) with its blocks under op-level selective
+    checkpointing (a transformers model through its own gradient_checkpointing_enable); the same loss
+    and gradients bit for bit as the model itself, and less held, counted from the allocator, which
+    counts what the hooks count for the model itself (within the graph's own small allocations)."""
+    from relu_ext.bench import checkpointing
+
+    model, inputs = real.build(name, torch.float32, "cpu", quick=False)
+    sac = real.prepare(model, "sac nn.ReLU")
+    assert sac is not model and any(isinstance(m, checkpointing.Checkpointed) for m in sac.modules()) or \
+        getattr(sac, "is_gradient_checkpointing", False)
+    hooks, allocated = real.held_bytes(model, inputs, "nn.ReLU"), real._allocated_by_forward(model, inputs)
+    assert checkpointing.allocated_bytes() is not None and abs(allocated - hooks) < 0.01 * hooks
+    assert 0 < real.held_bytes(sac, inputs, "sac nn.ReLU") < 0.9 * hooks
+    steps = []
+    for m in (model, sac):
+        torch.manual_seed(1)
+        loss = real.loss_of(m, inputs)
+        loss.backward()
+        steps.append((loss.detach(), [p.grad for p in m.parameters()]))
+        m.zero_grad(set_to_none=True)
+    assert_bitwise_equal(steps[1][0], steps[0][0], "loss")
+    for a, b in zip(steps[1][1], steps[0][1], strict=True):
+        assert_bitwise_equal(a, b, "gradient")
+
+
+def test_selective_checkpointing_of_a_model_without_blocks_checkpoints_it_whole():
+    from relu_ext.bench import checkpointing
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    sac = real.prepare(model, "sac nn.ReLU")
+    assert isinstance(sac, checkpointing.Checkpointed) and sac.block is not model
+    x = torch.randn(3, 2)
+    assert_bitwise_equal(sac(x), model(x), "output")
 
 
 def test_held_bytes_leave_out_copies_of_parameters():
@@ -652,7 +690,7 @@ def test_user_model_runs_every_configuration(user_model, monkeypatch):
     # Both sections ran: the compiled rows are also compared with eager nn.ReLU's held bytes.
     for m in compiled["results"].values():
         assert math.isclose(m["held_vs_eager"], m["held_bytes"] / held["nn.ReLU"])
-    assert "held vs eager nn.ReLU (memory section), compile nn.ReLU / compile relu_ext:" in report.format_tables(res)
+    assert "held vs eager nn.ReLU (memory section), compile nn.ReLU / compile relu_ext / sac nn.ReLU:" in report.format_tables(res)
     assert [s["config"] for s in specs] == real.CONFIGS + real.COMPILED_CONFIGS
     assert all(s["models"] == [target] and s["shapes"] == {target: [2, 3, 8, 8]} and str(folder) in s["path"]
                for s in specs)

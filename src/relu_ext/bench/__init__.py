@@ -46,10 +46,14 @@ Sections (--what):
            small models (MLP, MLP with dropout, CNN with max-pool) with each
            activation.
   compiled (on request: not among the default sections, as compiling takes
-           minutes) the memory section's real models under torch.compile
-           (--compile-backend, default inductor), as they are and with
-           relu_ext.convert()'s modules (an op the compiler does not fuse):
-           held bytes, peak and step time, vs compiled nn.ReLU.
+           minutes) what users pick instead, on the memory section's real
+           models: torch.compile (--compile-backend, default inductor), as
+           they are and with relu_ext.convert()'s modules (an op the compiler
+           does not fuse), and op-level selective activation checkpointing
+           (eager: each block checkpointed, matmuls and attention saved;
+           held bytes counted from the allocator): held bytes, peak and step
+           time, vs compiled nn.ReLU, and vs eager nn.ReLU with --what
+           memory,compiled.
 
 Implementations (--impls): torch (torch.relu / nn.ReLU), torch_out (torch.clamp
 with out=, forward only), compile (torch.compile of F.relu), triton (a Triton

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 import relu_ext
 
-from . import models, peers, timing
+from . import checkpointing, models, peers, timing
 
 # transformers' decoders and encoders, from their configs (transformer()): ReLU (OPT, T5) and not.
 TRANSFORMERS = ["opt", "bert", "gpt2", "llama", "gemma"]
@@ -46,7 +46,8 @@ MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "mobilene
           *TRANSFORMERS, "vit_tiny"]
 QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
 CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReLU+compact"]
-COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
+# What users pick instead of save_compact(): torch.compile, and op-level selective checkpointing (eager).
+COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext", "sac nn.ReLU"]
 # The package each built-in model needs beyond torch (None: built here); the others need torchvision.
 NEEDS = {"darknet": None, "t5_relu": "transformers", **dict.fromkeys(TRANSFORMERS, "transformers"), "vit_tiny": "timm"}
 # Images per batch at 112x112 (64x64 with --quick): what this 2-core machine steps through in about a second.
@@ -268,7 +269,11 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
     A copy of a parameter (the same shape, dtype and values in another storage: Inductor keeps
     channels-last copies of conv weights) is left out as the parameter is, so that eager and compiled
     graphs count the same thing, their activations. `counts` gets what a configuration's
-    save_compact() did (replayed, replay_misses, compacted, concatenated, pooled, remade, narrowed, two_valued, kept)."""
+    save_compact() did (replayed, replay_misses, compacted, concatenated, pooled, remade, narrowed, two_valued, kept).
+    Under selective checkpointing (``sac nn.ReLU``), whose saved outputs no hook sees: what the forward
+    leaves allocated (checkpointing.allocated_bytes; 0 where that cannot be read)."""
+    if config == "sac nn.ReLU":
+        return _allocated_by_forward(model, inputs)
     skip = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}  # (running statistics)
     skip |= {t.untyped_storage().data_ptr() for t in (inputs.values() if isinstance(inputs, dict) else [inputs])}
     params: dict[tuple[Any, ...], list[Tensor]] = {}
@@ -304,6 +309,22 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
     if inner is not None and counts is not None:
         counts.update(compact_counts(inner))
     return sum(seen.values())
+
+
+def _allocated_by_forward(model: nn.Module, inputs: Any) -> int:
+    """Bytes a training forward of `model` leaves allocated (on the CPU; CUDA: its allocator's), its
+    loss aside: what its graph holds."""
+    cuda = isinstance(inputs, Tensor) and inputs.is_cuda or isinstance(inputs, dict) and any(
+        t.is_cuda for t in inputs.values())
+    measure = torch.cuda.memory_allocated if cuda else checkpointing.allocated_bytes
+    torch.manual_seed(1)
+    before = measure()
+    if before is None:
+        return 0
+    loss = loss_of(model, inputs)
+    held = measure() - before - loss.untyped_storage().nbytes()
+    del loss
+    return max(held, 0)
 
 
 class HookTimer:
@@ -362,8 +383,11 @@ def compact_counts(sc: relu_ext.save_compact) -> dict[str, int]:
 
 
 def prepare(model: nn.Module, config: str, backend: str = "inductor") -> nn.Module:
-    """What a configuration runs: the model itself, or torch.compile of it (``compile
-    relu_ext``: of a copy, same weights, with relu_ext.convert()'s modules)."""
+    """What a configuration runs: the model itself, torch.compile of it (``compile relu_ext``: of a
+    copy, same weights, with relu_ext.convert()'s modules), or (``sac nn.ReLU``) a copy, same weights,
+    with its blocks under selective checkpointing (checkpointing.selective)."""
+    if config == "sac nn.ReLU":
+        return checkpointing.selective(copy.deepcopy(model))
     if not config.startswith("compile "):
         return model
     if config == "compile relu_ext":
