@@ -245,7 +245,12 @@ class _Packer:
         elif base is not None and _node_name(base.grad_fn) in FORMS_BY_NODE and _whole_view(t, base):
             # (A Linear on a 3-D tensor keeps a 2-D view of it: kept as that tensor, in its form.)
             packed = self._pack(base)
-            return _Dense(t) if isinstance(packed, _Dense) else _ViewOf(packed, t, base)
+            if not isinstance(packed, _Dense):
+                return _ViewOf(packed, t, base)
+            dense = _Dense(t)
+            if self.recompute and t.grad_fn is not None:
+                _note_kept(t, dense)  # (as for any tensor saved as it is: a later recipe may read it)
+            return dense
         return self._pack(t)
 
     def _pack(self, t: Tensor) -> Any:
