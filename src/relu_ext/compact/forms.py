@@ -707,8 +707,8 @@ def _threads(count: int | None) -> Iterator[None]:
 
 
 def _bits_sum(t: Tensor) -> Tensor:
-    """The sum of `t`'s elements' bit patterns as integers (int64, on its device): a fingerprint that
-    any change of an element's bits changes (Remade)."""
+    """The sum of `t`'s elements' bit patterns as integers (int64, on its device): a fingerprint that a
+    change of one element's bits always changes (changes of several could cancel out; Remade)."""
     return t.view(_INTS[t.element_size()]).sum(dtype=torch.int64)
 
 
