@@ -292,42 +292,29 @@ def _plain_dense(t: Tensor) -> bool:
             and (t.is_cpu or t.is_cuda) and _is_dense(t))
 
 
-def _output_of(t: Tensor, recompute: bool) -> bool:
-    """Whether a recipe of what other nodes keep applies to `t` (``torch.cat``'s output, ``max_pool2d``'s):
-    a plain dense floating-point tensor on the CPU or CUDA, with recompute."""
-    return recompute and t.is_floating_point() and _plain_dense(t)
+def _worth_keeping_smaller(t: Tensor) -> bool:
+    """Whether `t` is a plain dense floating-point tensor on the CPU or CUDA of 4096 elements or more:
+    what the recipes, replays and compactions take (hooks._why_kept gives the reason of one that is not)."""
+    return t.is_floating_point() and _plain_dense(t)
 
 
-def _a_concatenation(t: Tensor, recompute: bool) -> bool:
-    """applies() of a concatenation in pieces."""
-    return _output_of(t, recompute)
-
-
-def _a_max_pool_output(t: Tensor, recompute: bool) -> bool:
-    """applies() of a max-pool output as its input at its indices."""
-    return _output_of(t, recompute)
-
-
-def _a_remade_op_output(t: Tensor, recompute: bool) -> bool:
-    """applies() of an op's output remade from its inputs (mul, div, GELU, SiLU)."""
-    return _output_of(t, recompute)
-
-
-def _a_layer_norm_output(t: Tensor, recompute: bool) -> bool:
-    """applies() of a LayerNorm output remade from its input."""
-    return _output_of(t, recompute)
+def _a_recipe_output(t: Tensor, recompute: bool) -> bool:
+    """applies() of a recipe of what other nodes keep (a concatenation in pieces, a max-pool output as
+    its input at its indices, an op's output remade from its inputs): with recompute, worth keeping
+    smaller (the row's nodes say which outputs)."""
+    return recompute and _worth_keeping_smaller(t)
 
 
 def _after_a_batchnorm(t: Tensor, recompute: bool) -> bool:
     """applies() of a replay: an activation output whose input is a BatchNorm's, with recompute, worth
-    keeping smaller (hooks._why_kept: a plain dense floating-point tensor of 4096 elements or more)."""
-    return recompute and _after_batchnorm(t.grad_fn) and t.is_floating_point() and _plain_dense(t)
+    keeping smaller."""
+    return recompute and _after_batchnorm(t.grad_fn) and _worth_keeping_smaller(t)
 
 
 def _zeros_mostly(t: Tensor, recompute: bool) -> bool:
     """applies() of a compaction: an activation output that is mostly zeros (ReLU, ...), worth keeping
-    smaller (as a replay's)."""
-    return _mostly_zeros(t.grad_fn) and t.is_floating_point() and _plain_dense(t)
+    smaller."""
+    return _mostly_zeros(t.grad_fn) and _worth_keeping_smaller(t)
 
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -347,11 +334,11 @@ def _two_valued_candidate(t: Tensor, recompute: bool) -> bool:
 # at once is kept). A concatenation that fails to extend the chain at once starts a new one; a replay
 # that misses falls back to compaction. Integer tensors are narrowed at the exit instead (Narrowed).
 FORMS = (
-    Row(Concatenated, frozenset({_CAT}), _a_concatenation, _extended),
-    Row(Concatenated, frozenset({_CAT}), _a_concatenation, _chain_start),
-    Row(Pooled, frozenset({_MAX_POOL}), _a_max_pool_output, _pooled),
-    Row(Remade, frozenset(_REMAKE), _a_remade_op_output, _remade),
-    Row(RemadeNorm, frozenset({_LAYER_NORM}), _a_layer_norm_output, _layer_norm),
+    Row(Concatenated, frozenset({_CAT}), _a_recipe_output, _extended),
+    Row(Concatenated, frozenset({_CAT}), _a_recipe_output, _chain_start),
+    Row(Pooled, frozenset({_MAX_POOL}), _a_recipe_output, _pooled),
+    Row(Remade, frozenset(_REMAKE), _a_recipe_output, _remade),
+    Row(RemadeNorm, frozenset({_LAYER_NORM}), _a_recipe_output, _layer_norm),
     Row(Replayed, ACTIVATION_NODES, _after_a_batchnorm, _replayed),
     Row(Compacted, ACTIVATION_NODES, _zeros_mostly, _compacted),
     Row(TwoValued, frozenset({None}), _two_valued_candidate, _two_valued),
