@@ -83,7 +83,13 @@ class _Shared:
 
     def checked(self, check: Deferred) -> bool | str | Deferred:
         """The form's check is back: True where the form is exact, else why the tensor is kept as it is
-        (a key of stats._REASONS), or the next check to wait for (a form made in steps)."""
+        (a key of stats._REASONS), or the next check to wait for (a form made in steps, whose next step
+        runs on the stream the form was made on, whichever thread or stream resolves it)."""
+        with STREAMS.on(self.stream):
+            return self._step(check)
+
+    def _step(self, check: Deferred) -> bool | str | Deferred:
+        """checked() on the form's stream; a form made in one step has its one check."""
         return True if check.flag() else self.missed_as
 
     def kept_as_is(self) -> bool:
@@ -216,14 +222,8 @@ class Compacted(_Shared):
         assert self.ends is not None
         return self.ends[-1:]
 
-    def checked(self, check: Deferred) -> bool | str | Deferred:
-        """The next step once `check` is back (see _Shared.checked), compacting the tensor held, on the
-        stream it was packed on (which made it)."""
-        with STREAMS.on(self.stream):
-            return self._step(check)
-
     def _step(self, check: Deferred) -> bool | str | Deferred:
-        """checked() on the current stream."""
+        """The next step once `check` is back (see _Shared.checked): compacting the tensor held."""
         assert self.whole is not None
         y = self.whole.tensor
         if not self.whole.unchanged():
@@ -655,13 +655,8 @@ class RemadeNorm(Remade):
         self.shape, self.op_name = shape, "layer_norm"
         self.untried: list[float] | None = None  # (None: the probe's check is not back)
 
-    def checked(self, check: Deferred) -> bool | str | Deferred:
-        """The next step once `check` is back (see _Shared.checked), on the stream the form was made on."""
-        with STREAMS.on(self.stream):
-            return self._step(check)
-
     def _step(self, check: Deferred) -> bool | str | Deferred:
-        """checked() on the current stream."""
+        """The next step once `check` is back (see _Shared.checked): the next eps to try, or done."""
         if self.untried is None:  # the probe is back: the eps that give the node's rstd there
             self.untried = [eps for eps, hit in zip(LAYER_NORM_EPS, check.ints()) if hit]
         elif check.flag():  # an eps gives the output
