@@ -314,8 +314,7 @@ def held_bytes(model: nn.Module, inputs: Any, config: str, counts: dict[str, int
 def _allocated_by_forward(model: nn.Module, inputs: Any) -> int:
     """Bytes a training forward of `model` leaves allocated (on the CPU; CUDA: its allocator's), its
     loss aside: what its graph holds."""
-    cuda = isinstance(inputs, Tensor) and inputs.is_cuda or isinstance(inputs, dict) and any(
-        t.is_cuda for t in inputs.values())
+    cuda = any(t.is_cuda for t in (inputs.values() if isinstance(inputs, dict) else [inputs]))
     measure = torch.cuda.memory_allocated if cuda else checkpointing.allocated_bytes
     torch.manual_seed(1)
     before = measure()
