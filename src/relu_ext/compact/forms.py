@@ -563,12 +563,30 @@ class Pooled(_Shared):
         return tuple(s for s in (self.x, self.indices) if isinstance(s, Tensor))
 
 
+class Chain(NamedTuple):
+    """A Remade's op: `op` run on `inputs`, each the index of one of the form's sources, or a Chain
+    itself (an output no node keeps, made again on the way: GPT-2's tanh of a polynomial of its
+    input)."""
+
+    op: Any
+    inputs: tuple[int | Chain, ...]
+
+    def __call__(self, *sources: Any) -> Tensor:
+        return self.op(*(sources[i] if isinstance(i, int) else i(*sources) for i in self.inputs))
+
+    def ops(self) -> int:
+        """How many ops it runs (passes over a tensor)."""
+        return 1 + sum(i.ops() for i in self.inputs if isinstance(i, Chain))
+
+
 class Remade(_Shared):
-    """A saved tensor (kept by a later node) as the op that made it and that op's inputs, which the op's
-    own node keeps anyway (in the form this context saved them: as they are, compacted, rebuilt,
-    remade: a chain), run again in backward. The same op on the same inputs gives the same bits
-    (verified when saved). The op's node runs its backward after the later node's, so its inputs
-    are there when this is rebuilt.
+    """A saved tensor (kept by a later node) as the ops that made it and their inputs, which the graph
+    keeps anyway (saved by the op's own node or another, in the form this context saved them: as they
+    are, compacted, rebuilt, remade: a chain; or a parameter), run again in backward. The same ops on
+    the same inputs give the same bits (verified when saved). The nodes that keep its inputs run
+    their backward after the later node's, so its inputs are there when this is rebuilt. It holds
+    nothing the graph does not, but `own`: a scalar it found (``1.0 + tanh(x)``: an add's node does
+    not keep the number).
 
     An op whose CPU bits depend on how its work is split among threads (graph._Remake.by_split: GELU,
     SiLU) is run again with the forward's thread count (``threads``: OpenMP's count is per thread, and
@@ -576,12 +594,14 @@ class Remade(_Shared):
     bits (``fingerprint``): a rebuild that differs (an OpenMP runtime that gave it fewer threads)
     raises an error instead of giving other gradients."""
 
-    __slots__ = ("op", "sources", "versions", "threads", "fingerprint", "op_name")
+    __slots__ = ("op", "sources", "versions", "threads", "fingerprint", "op_name", "own")
     kind = "remade"
 
-    def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None], by_split: bool = False) -> None:
-        super().__init__(t, 0, 1 + sum(s.depth for s in sources if isinstance(s, _Shared)))
-        self.op, self.sources = op, tuple(sources)  # (a source None: an input the op was given as None)
+    def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None], by_split: bool = False,
+                 own: tuple[Tensor, ...] = ()) -> None:
+        ops = op.ops() if isinstance(op, Chain) else 1
+        super().__init__(t, sum(o.nbytes for o in own), ops + sum(s.depth for s in sources if isinstance(s, _Shared)))
+        self.op, self.sources, self.own = op, tuple(sources), own  # (a source None: an input given as None)
         self.op_name = _op_name(op)
         self.versions = tuple(s._version if isinstance(s, Tensor) else None for s in sources)
         pinned = by_split and t.device.type == "cpu"
@@ -615,8 +635,8 @@ class Remade(_Shared):
                    for s, v in zip(self.sources, self.versions))
 
     def _held(self) -> tuple[Tensor, ...]:
-        """Nothing the graph does not hold anyway (for memory accounting)."""
-        return ()
+        """What it holds that the graph does not (for memory accounting): the scalars it found."""
+        return self.own
 
     def _reads(self) -> tuple[Tensor, ...]:
         """The tensors rebuild() reads itself: its sources that are tensors."""
@@ -673,6 +693,7 @@ class RemadeNorm(Remade):
 
 def _op_name(op: Any) -> str | None:
     """An op's short name for the report: ``mul`` for ``aten.mul.Tensor`` (bound arguments aside)."""
+    op = op.op if isinstance(op, Chain) else op
     op = getattr(op, "func", op)  # (functools.partial)
     name = getattr(op, "_opname", None)  # (an OpOverload's)
     return name if name is not None else getattr(op, "__name__", None)

@@ -27,24 +27,38 @@ _LAYER_NORM = "NativeLayerNormBackward0"
 
 
 class _Remake(NamedTuple):
-    """How an op's output is remade from what its node saved (forms.Remade): the op, the names the node
-    saves its tensor inputs as (in the op's order), and its other arguments as (passed as keywords);
-    `by_split`: whether its bits on the CPU depend on how the work is split among threads (its
-    vector and scalar loops differ in last bits: a transcendental such as GELU's erf), so that a
-    rebuild runs with the forward's thread count. An IEEE multiply or divide is the same in every loop."""
+    """How an op's output is remade (forms.Remade): the op; for each of its tensor inputs, in the op's
+    order, the name its node saves it as, or None where the node keeps no such input (a tanh keeps its
+    output, an add nothing: that input comes from another node, or is remade itself); its other
+    arguments as its node keeps them (passed as keywords); `dtype`: whether the op is given its
+    output's dtype, which its node does not keep (a cast, a mean) but autograd records; `by_split`:
+    whether its bits on the CPU depend on how the work is split among threads (its vector and scalar
+    loops differ in last bits: a transcendental such as GELU's erf; a reduction's order), so that a
+    rebuild runs with the forward's thread count. An IEEE add, multiply or divide, or a cast, is the
+    same in every loop."""
 
     op: Any
-    inputs: tuple[str, ...]
+    inputs: tuple[str | None, ...]
     args: tuple[str, ...] = ()
+    dtype: bool = False
     by_split: bool = False
 
 
-# Nodes of ops whose output is remade from the inputs the node itself keeps.
+_aten = torch.ops.aten
+
+# Nodes of ops whose output is remade from its inputs (forms.Remade), by the node's name.
 _REMAKE: dict[str, _Remake] = {
-    "MulBackward0": _Remake(torch.ops.aten.mul.Tensor, ("self", "other")),
-    "DivBackward0": _Remake(torch.ops.aten.div.Tensor, ("self", "other")),
-    "GeluBackward0": _Remake(torch.ops.aten.gelu.default, ("self",), ("approximate",), by_split=True),
-    "SiluBackward0": _Remake(torch.ops.aten.silu.default, ("self",), by_split=True),
+    "MulBackward0": _Remake(_aten.mul.Tensor, ("self", "other")),
+    "DivBackward0": _Remake(_aten.div.Tensor, ("self", "other")),
+    "AddBackward0": _Remake(_aten.add.Tensor, (None, None), ("alpha",)),
+    "ToCopyBackward0": _Remake(_aten._to_copy.default, (None,), dtype=True),
+    "GeluBackward0": _Remake(_aten.gelu.default, ("self",), ("approximate",), by_split=True),
+    "SiluBackward0": _Remake(_aten.silu.default, ("self",), by_split=True),
+    "TanhBackward0": _Remake(_aten.tanh.default, (None,), by_split=True),
+    "SigmoidBackward0": _Remake(_aten.sigmoid.default, (None,), by_split=True),
+    "RsqrtBackward0": _Remake(_aten.rsqrt.default, (None,), by_split=True),
+    "PowBackward0": _Remake(_aten.pow.Tensor_Scalar, ("self",), ("exponent",), by_split=True),
+    "MeanBackward1": _Remake(_aten.mean.dim, (None,), ("dim", "keepdim"), dtype=True, by_split=True),
 }
 
 
@@ -154,9 +168,32 @@ def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool]:
     tensor inputs, in the op's order, not unpacked (an input it did not save has no data), and the
     op's `by_split`. Checked on torch 2.11 and 2.15.0."""
     entry = _REMAKE[fn.name()]
-    kwargs = {name: getattr(fn, f"_saved_{name}") for name in entry.args}
+    kwargs = {name: _signed(getattr(fn, f"_saved_{name}")) for name in entry.args}
+    if entry.dtype:
+        kwargs["dtype"] = fn._input_metadata[0].dtype  # (the forward's output: the gradient it takes)
     op = functools.partial(entry.op, **kwargs) if kwargs else entry.op
-    return op, [_raw_saved(fn, name) for name in entry.inputs], entry.by_split
+    saved = [_raw_saved(fn, name) if name is not None else _Saved(None, None) for name in entry.inputs]
+    return op, saved, entry.by_split
+
+
+def _signed(value: Any) -> Any:
+    """An argument a node kept, with dimensions as the op takes them: a node keeps a list of them as
+    unsigned integers (-1 as 2**64 - 1)."""
+    if isinstance(value, tuple):
+        return [v - 2**64 if isinstance(v, int) and v >= 2**63 else v for v in value]
+    return value
+
+
+def _node_inputs(fn: Any) -> tuple[tuple[Any, int], ...]:
+    """The (node, output_nr) pairs of what made node `fn`'s inputs, in its op's order ((None, 0): an
+    input that needs no gradient, such as a Python number). Checked on torch 2.11 and 2.15.0."""
+    return fn.next_functions
+
+
+def _leaf(fn: Any) -> Tensor | None:
+    """The tensor of node `fn` where it is a leaf's (an AccumulateGrad: a parameter, or an input that
+    requires grad; the graph holds it), else None. Checked on torch 2.11 and 2.15.0."""
+    return getattr(fn, "variable", None)
 
 
 def _cat_dim(t: Tensor) -> int:
@@ -168,8 +205,8 @@ def _cat_dim(t: Tensor) -> int:
 
 def _inputs(t: Tensor) -> tuple[tuple[Any, int], ...]:
     """The (node, output_nr) pairs of what made `t`'s inputs (a concatenation's pieces'), compared
-    by identity. Checked on torch 2.11, 2.14.1 and 2.15.0."""
-    return t.grad_fn.next_functions
+    by identity (see _node_inputs)."""
+    return _node_inputs(t.grad_fn)
 
 
 def _relu_ext_mask(t: Tensor) -> Tensor | None:
@@ -212,7 +249,7 @@ def _bn_bias(bn: Any) -> tuple[Tensor | None, bool]:
     computed in the graph (FSDP's views of its flat parameter), which no node keeps.
     Checked on torch 2.11, 2.14.1 and 2.15.0."""
     bias_fn = bn.next_functions[2][0] if len(bn.next_functions) > 2 else None
-    bias = getattr(bias_fn, "variable", None)
+    bias = _leaf(bias_fn)
     return bias, bias_fn is None or bias is not None
 
 

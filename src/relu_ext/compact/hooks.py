@@ -128,9 +128,14 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
 
     @property
     def remade(self) -> int:
-        """Distinct tensors saved for backward kept as the op that made them (mul, div, LayerNorm, GELU,
-        SiLU) and its inputs, which its node keeps anyway; run again in backward."""
+        """Distinct tensors saved for backward kept as the ops that made them (mul, add, div, casts, GELU,
+        SiLU, tanh, ..., LayerNorm) and their inputs, which the graph keeps anyway; run again in backward."""
         return self._settled().count["remade"]
+
+    @property
+    def remade_by_op(self) -> dict[str, int]:
+        """``remade`` by the op that made each tensor (its last op, for a chain): ``{"mul": 2, ...}``."""
+        return dict(self._settled().ops)
 
     @property
     def narrowed(self) -> int:

@@ -17,11 +17,12 @@ import torch
 from torch import Tensor
 
 from .bits import _INTS, _bool_bits, _is_dense, _same_bits_later
-from .forms import (LAYER_NORM_EPS, Compacted, Concatenated, LayerNormOf, Pooled, Remade, RemadeNorm, Replayed,
+from .forms import (LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade, RemadeNorm, Replayed,
                     TwoValued, _Dense, _gathered, _Shared, run_as_forward)
 from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, _activation_of, _after_batchnorm,
                     _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs, _is_batchnorm, _kept,
-                    _layer_norm_saved, _mostly_zeros, _raw_saved, _relu_ext_mask, _remake_of, _Saved)
+                    _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _raw_saved, _relu_ext_mask, _remake_of,
+                    _Saved)
 
 _ops = torch.ops.relu_ext
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
@@ -111,23 +112,107 @@ def _pooled(t: Tensor, packer: Packing) -> Made | None:
     return Made(Pooled(x, indices, t), _same_bits_later([(now, t)]))
 
 
-def _remade(t: Tensor, packer: Packing) -> Made | None:
-    """`t` (an output of an op of graph._REMAKE) as that op and its inputs, which its node keeps, or
-    (an input it did not need) another node that this context saved it for: where every input is kept,
-    and the op run again on them gives `t`'s dtype, shape and strides."""
-    op, saved, by_split = _remake_of(t.grad_fn)
-    sources = []
-    for s, (fn, output_nr) in zip(saved, _inputs(t)):
-        source = _source(s, packer.unpack)
-        if source is None and fn is not None:
-            source = _kept_source(fn, output_nr)  # (not kept by its node, but by another: dropout's input)
-        if source is None:
+# The most ops a remade chain runs (each a pass over a tensor in backward).
+_MAX_OPS = 8
+
+
+class _Chaining:
+    """The inputs of a remade tensor (see _remade), found by walking the graph from its node: the
+    sources the chain reads (each once), and whether any op's bits depend on the split of its work."""
+
+    def __init__(self, packer: Packing) -> None:
+        self.packer = packer
+        self.sources: list[Tensor | _Shared] = []
+        self.by_split = False
+        self.ops_left = _MAX_OPS
+
+    def chain(self, fn: Any, top: bool = True) -> Chain | None:
+        """Node `fn`'s op on its inputs, each a source (what its node saved; else another node's saved
+        output, or a parameter) or, where the graph keeps none, remade itself from its own node; None
+        where an input is neither, but at the `top`, where it is -1 (a Python number given to an add,
+        which _with_scalar finds)."""
+        self.ops_left -= 1
+        if self.ops_left < 0:
             return None
-        sources.append(source)
-    now = run_as_forward(op, [s.live() if isinstance(s, _Shared) else s for s in sources])
-    if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride():
+        op, saved, by_split = _remake_of(fn)
+        self.by_split |= by_split
+        inputs: list[int | Chain] = []
+        for s, (prev, output_nr) in zip(saved, _node_inputs(fn)):
+            source = _source(s, self.packer.unpack)
+            if source is None and prev is not None:
+                source = _kept_source(prev, output_nr)
+                source = _leaf(prev) if source is None else source
+            if source is not None:
+                inputs.append(self.index(source))
+            elif prev is not None and output_nr == 0 and prev.name() in _REMAKE:
+                sub = self.chain(prev, top=False)
+                if sub is None:
+                    return None
+                inputs.append(sub)
+            elif top:
+                inputs.append(-1)
+            else:
+                return None
+        return Chain(op, tuple(inputs))
+
+    def index(self, source: Tensor | _Shared) -> int:
+        """`source`'s index among the chain's sources (added where it is new)."""
+        for i, s in enumerate(self.sources):
+            if s is source:
+                return i
+        self.sources.append(source.detach() if isinstance(source, Tensor) else source)
+        return len(self.sources) - 1
+
+    def live(self) -> list[Tensor]:
+        """The sources as they are now (a form's, rebuilt from what it holds), to verify with."""
+        return [s.live() if isinstance(s, _Shared) else s for s in self.sources]
+
+
+def _remade(t: Tensor, packer: Packing) -> Made | None:
+    """`t` (an output of an op of graph._REMAKE) as that op, and the ops of graph._REMAKE that made its
+    inputs where the graph keeps none (a chain: GPT-2's tanh of a polynomial of its input), run again
+    on inputs the graph keeps: where they give `t`'s dtype, shape and strides. An add of a Python
+    number (``1.0 + tanh(x)``), which its node does not keep, has it found (_with_scalar)."""
+    found = _Chaining(packer)
+    chain = found.chain(t.grad_fn)
+    if chain is None:
         return None
-    return Made(Remade(t, op, sources, by_split), _same_bits_later([(now, t.detach())]))
+    own: tuple[Tensor, ...] = ()
+    if -1 in chain.inputs:
+        chain, own = _with_scalar(chain, found, t)
+        if chain is None:
+            return None
+    now = run_as_forward(chain, found.live())
+    if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride() or now.device != t.device:
+        return None
+    form = Remade(t, chain, found.sources, found.by_split, own)
+    return Made(form, _same_bits_later([(now, t.detach())]))
+
+
+def _with_scalar(chain: Chain, found: _Chaining, t: Tensor) -> tuple[Chain | None, tuple[Tensor, ...]]:
+    """`chain`, an add of `t`'s shape and a Python number that its node did not keep (``1.0 + x``;
+    alpha 1), with the number found, in `t`'s dtype, on its device (no wait for it): read where the
+    other input is smallest, `t` there where adding the other input gives `t` again everywhere (it was
+    too small to round the sum), else `t` less it there. A guess: the check when saved confirms it, or
+    the tensor is kept. Also the number, which the form alone holds; None where `chain` is not such an
+    add."""
+    op, (a, b) = chain.op, chain.inputs if len(chain.inputs) == 2 else (None, None)
+    if getattr(op, "func", None) is not _REMAKE["AddBackward0"].op or op.keywords["alpha"] != 1 or -1 not in (a, b):
+        return None, ()
+    known = b if a == -1 else a
+    if known == -1:
+        return None, ()
+    live = found.live()
+    x = live[known] if isinstance(known, int) else run_as_forward(known, live)
+    if x.shape != t.shape or x.dtype != t.dtype:
+        return None, ()
+    flat, out = x.reshape(-1), t.detach().reshape(-1)
+    at = torch.where(flat.isnan(), torch.full_like(flat, float("inf")), flat.abs()).argmin().reshape(1)
+    sum_there = out.index_select(0, at).reshape(())
+    less = (sum_there.double() - flat.index_select(0, at).double().reshape(())).to(t.dtype)
+    added = run_as_forward(op, [x, sum_there] if a == known else [sum_there, x])
+    number = torch.where(_same_bits_later([(added, t.detach())]), sum_there, less)
+    return Chain(op, tuple(found.index(number) if i == -1 else i for i in (a, b))), (number,)
 
 
 def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
@@ -176,10 +261,11 @@ def _like(x: Tensor | None, t: Tensor) -> bool:
 def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tensor, Tensor, Tensor] | None:
     """The input of BatchNorm node `bn` (laid out as `t`), its terms for `t`'s dtype, and the input
     again as a tensor, to verify with; or None. The input is a tensor, or a concatenation this context
-    keeps in pieces (DenseNet's), which the recipe then rebuilds for its own rebuild, and drops."""
+    keeps in pieces (DenseNet's) or a remade op's output, which the recipe then rebuilds for its own
+    rebuild, and keeps for the BatchNorm's node."""
     saved = _raw_saved(bn, "input")
     source = x = _peek(saved, unpack)
-    if x is None and saved.unpack_hook is unpack and isinstance(saved.data, Concatenated) and saved.data.fresh():
+    if x is None and saved.unpack_hook is unpack and isinstance(saved.data, (Concatenated, Remade)) and saved.data.fresh():
         source, x = saved.data, saved.data.live()
     if not _like(x, t):
         return None  # (t is dense, so x is too)

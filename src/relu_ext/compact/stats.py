@@ -20,7 +20,7 @@ _KINDS = {
     "compacted": ("compacted", "tensor", ""),
     "concatenated": ("concatenations", "tensor", " (each the one before it, shared, and what it adds)"),
     "pooled": ("max-pool outputs", "tensor", " (gathered from the pool's input at its indices)"),
-    "remade": ("remade", "tensor", " (the op that made them, run again on the inputs its node keeps)"),
+    "remade": ("remade", "tensor", " (the ops that made them, run again on inputs the graph keeps)"),
     "narrowed": ("narrowed", "integer tensor", " (max-pool indices and the like, in a narrower integer type)"),
     "two_valued": ("two-valued", "tensor",
                    " (zeros and one other value, such as dropout's noise or mask, as a bitmap)"),
@@ -101,7 +101,8 @@ class _Stats:
         lines = [f"relu_ext.save_compact: {_tensors(n, 'tensor')} saved for backward, {_size(total)}, "
                  f"held in {_size(held)}{share}"]
         for kind, (label, noun, how) in _KINDS.items():
-            k, misses = self.count[kind], self.replay_misses if kind == "replayed" else 0
+            k = self.count[kind]
+            misses = {"replayed": self.replay_misses, "remade": sum(self.op_misses.values())}.get(kind, 0)
             if k or misses or kind == "compacted":  # (compacted: always said)
                 line = (f"  {label}: {_tensors(k, noun)}, {_size(self.nbytes[kind])} held in "
                         f"{_size(self.held[kind])}{how}")
