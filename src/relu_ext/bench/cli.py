@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
                                    "On CPU, seed and compile are timed up to 16M elements")
     p.add_argument("--what", help=f"sections, from {SECTIONS} (default: all but compiled; with --model: memory)")
     p.add_argument("--models", help=f"real models of the memory and compiled sections, from {real.MODELS} (default: "
-                                    f"all; --quick: {','.join(real.QUICK_MODELS)}; with --model: none of them). "
+                                    f"all; --quick: {','.join(real.QUICK_MODELS)}; with --model: none of them), and "
+                                    f"variants of the transformers: <name>@{{{','.join(real.VARIANTS)}}}. "
                                     "A model whose package (torchvision, transformers) is missing is skipped")
     p.add_argument("--model", action="append", default=[], metavar="MODULE:CALLABLE",
                    help="your own model in the memory and compiled sections (repeatable): CALLABLE() in MODULE (a "
@@ -162,8 +163,9 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
         names = args.models.split(",")
     else:  # the user's own models (--model) replace the built-in ones
         names = [] if args.model else real.QUICK_MODELS if args.quick else real.MODELS
-    if set(names) - set(real.MODELS):
-        p.error(f"--models: {sorted(set(names) - set(real.MODELS))} not among {real.MODELS}")
+    known = set(real.MODELS) | set(real.VARIANT_MODELS)
+    if set(names) - known:
+        p.error(f"--models: {sorted(set(names) - known)} not among {real.MODELS} or {real.VARIANT_MODELS}")
     for d in args.dtypes.split(","):
         if d not in ("float32", "float64", "float16", "bfloat16"):
             p.error(f"--dtypes: {d!r} is not one of float32, float64, float16, bfloat16")

@@ -45,6 +45,10 @@ TRANSFORMERS = ["opt", "bert", "gpt2", "llama", "gemma"]
 MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "mobilenet_v2", "darknet", "t5_relu",
           *TRANSFORMERS, "vit_tiny"]
 QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
+# Variants of TRANSFORMERS, named "<model>@<variant>" (--models): the float32 model run under bfloat16
+# autocast, and with eager attention (transformers' own softmax and matmuls) where the others use SDPA.
+VARIANTS = ("autocast", "eager")
+VARIANT_MODELS = [f"{name}@{variant}" for name in TRANSFORMERS for variant in VARIANTS]
 CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReLU+compact"]
 # What users pick instead of save_compact(): torch.compile, and op-level selective checkpointing (eager).
 COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext", "sac nn.ReLU"]
@@ -61,7 +65,7 @@ class UserModelError(ValueError):
 
 def missing(name: str) -> str | None:
     """Why a built-in model cannot run here (the package it needs does not import), or None."""
-    package = NEEDS.get(name, "torchvision")
+    package = NEEDS.get(name.partition("@")[0], "torchvision")
     if package is None or is_user_model(name):
         return None
     try:
@@ -176,9 +180,11 @@ def build(name: str, dtype: torch.dtype, device: str, quick: bool,
         g = torch.Generator().manual_seed(0)
         inputs = {"input_ids": torch.randint(1, 512, (batch, length), generator=g).to(device),
                   "labels": torch.randint(1, 512, (batch, length), generator=g).to(device)}
-    elif name in TRANSFORMERS:
-        model = transformer(name, 64 if quick else 256)
-        batch, length = (2, 16) if quick else (BATCH[name], 256)
+    elif name.partition("@")[0] in TRANSFORMERS:
+        base, _, variant = name.partition("@")
+        model = transformer(base, 64 if quick else 256, "eager" if variant == "eager" else "sdpa")
+        model = Autocast(model) if variant == "autocast" else model
+        batch, length = (2, 16) if quick else (BATCH[base], 256)
         ids = torch.randint(1, 1024, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
         inputs = {"input_ids": ids, "labels": ids}
     elif name == "vit_tiny":
@@ -201,34 +207,57 @@ def build(name: str, dtype: torch.dtype, device: str, quick: bool,
     return model.to(device=device, dtype=dtype).train(), inputs
 
 
-def transformer(name: str, width: int) -> nn.Module:
+def transformer(name: str, width: int, attention: str = "sdpa") -> nn.Module:
     """One of TRANSFORMERS, from transformers' config with random weights: 2 layers of `width` (4 heads,
     feed-forward 4 x `width`, Llama's and Gemma's 2.7 x, as theirs), a vocabulary of 1024, each
-    family's own activation, norm and default dropout."""
+    family's own activation, norm and default dropout; `attention`: transformers' attn_implementation."""
     import transformers as tf
 
     ffn = 4 * width
+    common = {"vocab_size": 1024, "attn_implementation": attention}
     if name == "opt":  # ReLU, LayerNorm
-        return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=1024, hidden_size=width, num_hidden_layers=2, ffn_dim=ffn,
+        return tf.OPTForCausalLM(tf.OPTConfig(hidden_size=width, num_hidden_layers=2, ffn_dim=ffn,
                                               num_attention_heads=4, max_position_embeddings=256,
-                                              word_embed_proj_dim=width))
+                                              word_embed_proj_dim=width, **common))
     if name == "bert":  # GELU, LayerNorm
-        return tf.BertForMaskedLM(tf.BertConfig(vocab_size=1024, hidden_size=width, num_hidden_layers=2,
-                                                intermediate_size=ffn, num_attention_heads=4,
-                                                max_position_embeddings=256))
+        return tf.BertForMaskedLM(tf.BertConfig(hidden_size=width, num_hidden_layers=2, intermediate_size=ffn,
+                                                num_attention_heads=4, max_position_embeddings=256, **common))
     if name == "gpt2":  # GELU's tanh formula in Python, LayerNorm
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=1024, n_embd=width, n_layer=2, n_head=4, n_positions=256,
-                                                bos_token_id=1, eos_token_id=1))
+        return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=width, n_layer=2, n_head=4, n_positions=256,
+                                                bos_token_id=1, eos_token_id=1, **common))
     ffn = (ffn * 2 // 3 + 15) // 16 * 16
     if name == "llama":  # SwiGLU, RMSNorm in Python
-        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=1024, hidden_size=width, num_hidden_layers=2,
-                                                  intermediate_size=ffn, num_attention_heads=4, num_key_value_heads=4,
-                                                  max_position_embeddings=256))
+        return tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=width, num_hidden_layers=2, intermediate_size=ffn,
+                                                  num_attention_heads=4, num_key_value_heads=4,
+                                                  max_position_embeddings=256, **common))
     if name == "gemma":  # GeGLU (GELU's tanh approximation), RMSNorm in Python
-        return tf.GemmaForCausalLM(tf.GemmaConfig(vocab_size=1024, hidden_size=width, num_hidden_layers=2,
-                                                  intermediate_size=ffn, num_attention_heads=4, num_key_value_heads=4,
-                                                  head_dim=width // 4, max_position_embeddings=256))
+        return tf.GemmaForCausalLM(tf.GemmaConfig(hidden_size=width, num_hidden_layers=2, intermediate_size=ffn,
+                                                  num_attention_heads=4, num_key_value_heads=4, head_dim=width // 4,
+                                                  max_position_embeddings=256, **common))
     raise ValueError(f"unknown transformer {name!r}; choose from {TRANSFORMERS}")
+
+
+class Autocast(nn.Module):
+    """A model (in float32) whose forward runs under autocast to bfloat16 on its inputs' device: mixed
+    precision as people train with it (a transformers model's ``@autocast`` variant)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs: Tensor) -> Any:
+        device = next(iter(inputs.values())).device.type
+        with torch.autocast(device, torch.bfloat16):
+            return self.model(**inputs)
+
+    @property
+    def supports_gradient_checkpointing(self) -> bool:
+        """The model's (selective checkpointing checkpoints its layers, see checkpointing.selective)."""
+        return bool(getattr(self.model, "supports_gradient_checkpointing", False))
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        """The model's."""
+        self.model.gradient_checkpointing_enable(**kwargs)
 
 
 def describe(name: str, inputs: Any) -> str:
