@@ -18,8 +18,9 @@
 #             (--cuda-waves 1: one wave of resident blocks; 0: no cap), the family's rows too with unroll 4: which
 #             one to make the default (tables at the end of summary.txt, ~1-2 min)
 #   models    real models at GPU sizes (bench/gpu_models.py: resnet50 float32 and bfloat16 autocast,
-#             mobilenet_v2, densenet121, T5) under nn.ReLU, install(), install()+save_compact() and
-#             torch.compile: peak memory, held bytes, step time, host syncs per step (gpu_models.json;
+#             Llama, GPT-2, mobilenet_v2, densenet121, T5, then other transformers) under nn.ReLU,
+#             install(), install()+save_compact(), torch.compile and selective checkpointing: peak
+#             memory, held bytes, step time, host syncs per step (gpu_models.json;
 #             its table at the end of summary.txt; it starts no model past MODELS_DEADLINE_S, ~5 min)
 # It refuses at once (exit 3, one line, nothing built) when no GPU is visible: nvidia-smi missing or
 # failing, or torch.cuda.is_available() False. It records the environment (env.json), runs every step

@@ -6,8 +6,12 @@ training on a GPU compares.
 
 Configurations: ``nn.ReLU`` (PyTorch as it is), ``install`` (relu_ext.install()), ``install+save_compact``
 (and relu_ext.save_compact() around the forward), ``compile nn.ReLU`` (torch.compile of the model as it
-is). Cases: resnet50 at 224x224 in float32 and in bfloat16 autocast with channels_last (as people
-train), mobilenet_v2, densenet121 and T5 (ReLU feed-forward) in bfloat16 autocast.
+is), ``sac nn.ReLU`` (op-level selective activation checkpointing, relu_ext.bench.checkpointing). Cases:
+resnet50 at 224x224 in float32 and in bfloat16 autocast with channels_last (as people train),
+transformers' Llama and GPT-2 in bfloat16 autocast, mobilenet_v2, densenet121 and T5 (ReLU
+feed-forward) in bfloat16 autocast, then OPT, BERT and Gemma in bfloat16 autocast and Llama in float32
+(the benchmark's transformers, relu_ext.bench.real.transformer, 2 layers of 512, 256 tokens; what the
+GPU plan's deadline leaves time for).
 
 For each case and configuration, after warm-up steps (where the compiled model compiles):
 ``peak_bytes`` (``torch.cuda.max_memory_allocated`` over one step, above what was allocated before it),
@@ -38,13 +42,14 @@ from torch import nn
 import relu_ext
 from relu_ext.bench import real
 
-CONFIGS = ["nn.ReLU", "install", "install+save_compact", "compile nn.ReLU"]
+CONFIGS = ["nn.ReLU", "install", "install+save_compact", "compile nn.ReLU", "sac nn.ReLU"]
 # relu_ext.bench.real's name of each configuration (its held_bytes counts the same way).
 _REAL = {"nn.ReLU": "nn.ReLU", "install": "install", "install+save_compact": "install+recompute",
-         "compile nn.ReLU": "compile nn.ReLU"}
+         "compile nn.ReLU": "compile nn.ReLU", "sac nn.ReLU": "sac nn.ReLU"}
 # (model, precision, batch): "float32", or "amp" (float32 weights, channels_last, bfloat16 autocast).
-CASES = [("resnet50", "float32", 64), ("resnet50", "amp", 128), ("mobilenet_v2", "amp", 128),
-         ("densenet121", "amp", 64), ("t5_relu", "amp", 32)]
+CASES = [("resnet50", "float32", 64), ("resnet50", "amp", 128), ("llama", "amp", 16), ("gpt2", "amp", 16),
+         ("mobilenet_v2", "amp", 128), ("densenet121", "amp", 64), ("t5_relu", "amp", 32), ("opt", "amp", 16),
+         ("bert", "amp", 16), ("gemma", "amp", 16), ("llama", "float32", 16)]
 SIDE, TOKENS = 224, 256
 TINY = {"batch": 2, "side": 64, "tokens": 16}  # --tiny: the code path at toy sizes (tests, the CPU)
 
@@ -67,6 +72,11 @@ def build(name: str, precision: str, batch: int, device: str, tiny: bool) -> tup
         inputs = {k: torch.randint(1, config.vocab_size, (batch, tokens), generator=g).to(device)
                   for k in ("input_ids", "labels")}
         return model.to(device).train(), inputs
+    if name in real.TRANSFORMERS:
+        model = real.transformer(name, 64 if tiny else 512)
+        tokens = TINY["tokens"] if tiny else TOKENS
+        ids = torch.randint(1, 1024, (batch, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+        return model.to(device).train(), {"input_ids": ids, "labels": ids}
     import torchvision
 
     model = getattr(torchvision.models, name)(weights=None).to(device).train()

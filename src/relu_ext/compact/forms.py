@@ -594,7 +594,7 @@ class Remade(_Shared):
     bits (``fingerprint``): a rebuild that differs (an OpenMP runtime that gave it fewer threads)
     raises an error instead of giving other gradients."""
 
-    __slots__ = ("op", "sources", "versions", "threads", "fingerprint", "op_name", "own")
+    __slots__ = ("op", "sources", "versions", "threads", "fingerprint", "op_name", "own", "recent")
     kind = "remade"
 
     def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None], by_split: bool = False,
@@ -602,6 +602,7 @@ class Remade(_Shared):
         ops = op.ops() if isinstance(op, Chain) else 1
         super().__init__(t, sum(o.nbytes for o in own), ops + sum(s.depth for s in sources if isinstance(s, _Shared)))
         self.op, self.sources, self.own = op, tuple(sources), own  # (a source None: an input given as None)
+        self.recent: Tensor | None = None  # its value as verified, while packing (recipes._remember)
         self.op_name = _op_name(op)
         self.versions = tuple(s._version if isinstance(s, Tensor) else None for s in sources)
         pinned = by_split and t.device.type == "cpu"
@@ -620,8 +621,8 @@ class Remade(_Shared):
         return t
 
     def _live(self) -> Tensor:
-        """The saved tensor while packing (see _Shared.live)."""
-        return self._make(live=True)
+        """The saved tensor while packing (see _Shared.live): the value verified, where still held."""
+        return self.recent if self.recent is not None else self._make(live=True)
 
     def _make(self, live: bool) -> Tensor:
         why = "relu_ext.save_compact remakes a tensor from this one, which changed after the forward"

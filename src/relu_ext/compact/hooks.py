@@ -222,6 +222,8 @@ class _Packer:
         self.ints: dict[int, Narrowed] = {}
         # The last concatenation kept in pieces, by its dimension and its other sizes (recipes._chain_key).
         self.chains: dict[tuple[Any, ...], weakref.ref] = {}
+        # The last remade forms that hold their value as verified (forms.Remade.recent), oldest first.
+        self.recent: deque[Any] = deque()
         # Forms whose check has not come back, oldest first, each with the bytes of the tensor it holds
         # until then, and those bytes in all.
         self.waiting: deque[_Check] = deque()
@@ -425,6 +427,8 @@ class _Packer:
             self._narrow(wait=False)
         self.ints.clear()
         self.chains.clear()
+        while self.recent:
+            self.recent.popleft().recent = None
 
     def _narrow(self, wait: bool) -> None:
         """Narrow the integer tensors whose range has come back (with `wait`, all of them)."""

@@ -11,6 +11,7 @@ back, the fallback to the next row, the counts. Adding a form is one class (form
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
@@ -33,6 +34,7 @@ class Packing(Protocol):
 
     unpack: Callable[[Any], Tensor]  # its unpack hook: what tells this context's saved forms apart
     chains: dict[tuple[Any, ...], weakref.ref]  # the last concatenation kept, by _chain_key
+    recent: deque[Remade]  # the last remade forms holding their value as verified (_remember)
     min_saving: float
 
 
@@ -177,42 +179,65 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
     chain = found.chain(t.grad_fn)
     if chain is None:
         return None
+    live = found.live()
     own: tuple[Tensor, ...] = ()
     if -1 in chain.inputs:
-        chain, own = _with_scalar(chain, found, t)
-        if chain is None:
+        chain, number = _with_scalar(chain, live, t)
+        if chain is None or number is None:
             return None
-    now = run_as_forward(chain, found.live())
+        chain = Chain(chain.op, tuple(found.index(number) if i == -1 else i for i in chain.inputs))
+        live, own = live + [number], (number,)
+    now = run_as_forward(chain, live)
     if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride() or now.device != t.device:
         return None
     form = Remade(t, chain, found.sources, found.by_split, own)
-    return Made(form, _same_bits_later([(now, t.detach())]))
+    flag = _same_bits_later([(now, t.detach())])
+    _remember(form, now, packer)
+    return Made(form, flag)
 
 
-def _with_scalar(chain: Chain, found: _Chaining, t: Tensor) -> tuple[Chain | None, tuple[Tensor, ...]]:
+# How many remade forms hold their value (what a chain made of them reads while it is verified).
+_RECENT = 3
+
+
+def _remember(form: Remade, now: Tensor, packer: Packing) -> None:
+    """Let `form` hold `now`, its value, until _RECENT later forms do, or the context exits: a form made
+    of it in the same forward (GPT-2's ``1.0 + tanh``, then their product) reads it there instead of
+    running its ops again. Values the forward had just made and eager PyTorch held too."""
+    form.recent = now
+    packer.recent.append(form)
+    if len(packer.recent) > _RECENT:
+        packer.recent.popleft().recent = None
+
+
+# The elements among which _with_scalar reads the number an add was given.
+_GUESS_FROM = 65536
+
+
+def _with_scalar(chain: Chain, live: list[Tensor], t: Tensor) -> tuple[Chain | None, Tensor | None]:
     """`chain`, an add of `t`'s shape and a Python number that its node did not keep (``1.0 + x``;
-    alpha 1), with the number found, in `t`'s dtype, on its device (no wait for it): read where the
-    other input is smallest, `t` there where adding the other input gives `t` again everywhere (it was
-    too small to round the sum), else `t` less it there. A guess: the check when saved confirms it, or
-    the tensor is kept. Also the number, which the form alone holds; None where `chain` is not such an
-    add."""
+    alpha 1; the number's input -1), and the number, in `t`'s dtype, on its device (no wait for it):
+    read where the other input is smallest, `t` there where adding the other input to it gives `t`
+    there again (the other input too small to round the sum), else `t` less it there. A guess: the
+    check when saved confirms it, or the tensor is kept. (None, None) where `chain` is not such an add."""
     op, (a, b) = chain.op, chain.inputs if len(chain.inputs) == 2 else (None, None)
     if getattr(op, "func", None) is not _REMAKE["AddBackward0"].op or op.keywords["alpha"] != 1 or -1 not in (a, b):
-        return None, ()
+        return None, None
     known = b if a == -1 else a
     if known == -1:
-        return None, ()
-    live = found.live()
+        return None, None
     x = live[known] if isinstance(known, int) else run_as_forward(known, live)
     if x.shape != t.shape or x.dtype != t.dtype:
-        return None, ()
+        return None, None
     flat, out = x.reshape(-1), t.detach().reshape(-1)
-    at = torch.where(flat.isnan(), torch.full_like(flat, float("inf")), flat.abs()).argmin().reshape(1)
-    sum_there = out.index_select(0, at).reshape(())
-    less = (sum_there.double() - flat.index_select(0, at).double().reshape(())).to(t.dtype)
-    added = run_as_forward(op, [x, sum_there] if a == known else [sum_there, x])
-    number = torch.where(_same_bits_later([(added, t.detach())]), sum_there, less)
-    return Chain(op, tuple(found.index(number) if i == -1 else i for i in (a, b))), (number,)
+    head = flat[:_GUESS_FROM]  # (enough elements to find a small one; argmin over all costs a pass)
+    at = torch.where(head.isnan(), torch.full_like(head, float("inf")), head.abs()).argmin().reshape(1)
+    x_there, out_there = flat.index_select(0, at), out.index_select(0, at)
+    less = (out_there.double() - x_there.double()).to(t.dtype)
+    again = run_as_forward(op, [x_there, out_there] if a == known else [out_there, x_there])
+    number = torch.where(again.view(_INTS[t.element_size()]) == out_there.view(_INTS[t.element_size()]),
+                         out_there, less).reshape(())
+    return chain, number
 
 
 def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
