@@ -15,7 +15,7 @@ from torch.nn import Parameter
 from .bits import _is_dense
 from .deferred import Deferred
 from .forms import Narrowed, _Dense, _Shared, _ViewOf
-from .graph import _after_batchnorm, _mostly_zeros, _node_name, _note_kept
+from .graph import _REMAKE, _after_batchnorm, _mostly_zeros, _node_name, _note_kept
 from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Row, _plain_dense
 from .stats import _Stats
 
@@ -268,6 +268,8 @@ class _Packer:
             return hit.packed.again()
         fn = t.grad_fn
         node = _node_name(fn)
+        if self.recent and node is not None and node not in _REMAKE:
+            self.forget_recent()  # (a tensor of another op: the chains the values served are done)
         if node is None and _narrowable(t):
             return self._narrowed(t)
         rows = [row for row in FORMS_BY_NODE.get(node, ()) if row.applies(t, self.recompute)]
@@ -427,6 +429,10 @@ class _Packer:
             self._narrow(wait=False)
         self.ints.clear()
         self.chains.clear()
+        self.forget_recent()
+
+    def forget_recent(self) -> None:
+        """Drop the values the last remade forms hold (recipes._remember)."""
         while self.recent:
             self.recent.popleft().recent = None
 

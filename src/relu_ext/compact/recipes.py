@@ -201,9 +201,10 @@ _RECENT = 3
 
 
 def _remember(form: Remade, now: Tensor, packer: Packing) -> None:
-    """Let `form` hold `now`, its value, until _RECENT later forms do, or the context exits: a form made
-    of it in the same forward (GPT-2's ``1.0 + tanh``, then their product) reads it there instead of
-    running its ops again. Values the forward had just made and eager PyTorch held too."""
+    """Let `form` hold `now`, its value, until _RECENT later forms do, a tensor of an op outside the
+    table is saved, or the context exits: a form made of it in the same chain of ops (GPT-2's
+    ``1.0 + tanh``, then their product) reads it there instead of running its ops again. Values the
+    forward had just made and eager PyTorch held too."""
     form.recent = now
     packer.recent.append(form)
     if len(packer.recent) > _RECENT:
