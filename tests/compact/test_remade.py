@@ -54,7 +54,9 @@ def test_the_remade_ops_are_the_ops_of_their_nodes():
         assert y.grad_fn.name() == name
         assert all(hasattr(y.grad_fn, f"_raw_saved_{s}") for s in entry.inputs if s is not None)
         assert all(hasattr(y.grad_fn, f"_saved_{s}") for s in entry.args)
-        op, saved, _ = graph._remake_of(y.grad_fn)
+        remake = graph._remake_of(y.grad_fn)
+        assert remake is not None, name
+        op, saved, _ = remake
         assert len(saved) == len(graph._node_inputs(y.grad_fn)) == len(inputs)
         assert_bitwise_equal(op(*inputs), y, name)
 
@@ -281,6 +283,30 @@ def test_a_layer_norm_output_is_remade_bit_for_bit(dtype, eps, affine):
     sc = relu_ext.save_compact()
     got = _grads(f, params, sc)
     assert sc.remade == (eps != 1e-3), sc.report()
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-3], ids=["eps1e-5", "eps_unknown"])
+def test_a_cast_of_a_layer_norm_output_is_remade_through_the_layer_norm(eps):
+    """Under bfloat16 autocast a Linear keeps the cast of a LayerNorm's output, which no node keeps: the
+    cast is remade through the LayerNorm, its eps found from its rstd at once (on the CPU), as is the
+    cast of the Linear's weight (from the parameter); an eps it does not try keeps the first cast as
+    it is. Gradients PyTorch's, with specials in some rows."""
+    torch.manual_seed(0)
+    norm, lin = torch.nn.LayerNorm(256, eps=eps), torch.nn.Linear(256, 64)
+    x = torch.randn(4, 32, 256) * 3 + 1
+    x[1, :2] = adversarial(2 * 256, torch.float32).view(2, 256)
+    x.requires_grad_()
+    params = [x, lin.weight, norm.weight]
+
+    def f(*_: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return lin(norm(x)).float().nan_to_num().sum()
+
+    want = _grads(f, params)
+    sc = relu_ext.save_compact()
+    got = _grads(f, params, sc)
+    assert sc.remade_by_op == {"_to_copy": 2 if eps == 1e-5 else 1}, sc.report()
     _assert_same(got, want)
 
 

@@ -566,13 +566,14 @@ class Pooled(_Shared):
 class Chain(NamedTuple):
     """A Remade's op: `op` run on `inputs`, each the index of one of the form's sources, or a Chain
     itself (an output no node keeps, made again on the way: GPT-2's tanh of a polynomial of its
-    input)."""
+    input; under autocast, the LayerNorm output whose cast a Linear keeps)."""
 
     op: Any
-    inputs: tuple[int | Chain, ...]
+    inputs: tuple[int | Chain | None, ...]  # (None: an input the op was given as None: LayerNorm's bias)
 
     def __call__(self, *sources: Any) -> Tensor:
-        return self.op(*(sources[i] if isinstance(i, int) else i(*sources) for i in self.inputs))
+        return self.op(*(sources[i] if isinstance(i, int) else None if i is None else i(*sources)
+                         for i in self.inputs))
 
     def ops(self) -> int:
         """How many ops it runs (passes over a tensor)."""

@@ -163,14 +163,18 @@ def _layer_norm_saved(fn: Any) -> tuple[tuple[int, ...], _Saved, _Saved, _Saved,
     return (shape, *(_raw_saved(fn, name) for name in ("input", "weight", "bias", "result2")))
 
 
-def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool]:
+def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool] | None:
     """For a node of _REMAKE: its op (with the node's other arguments bound), what it saved of the op's
     tensor inputs, in the op's order, not unpacked (an input it did not save has no data), and the
-    op's `by_split`. Checked on torch 2.11 and 2.15.0."""
+    op's `by_split`; None where the output's dtype is not recorded (``_input_metadata``: the forward's
+    outputs, whose gradients the node takes). Checked on torch 2.11 and 2.15.0."""
     entry = _REMAKE[fn.name()]
     kwargs = {name: _signed(getattr(fn, f"_saved_{name}")) for name in entry.args}
     if entry.dtype:
-        kwargs["dtype"] = fn._input_metadata[0].dtype  # (the forward's output: the gradient it takes)
+        outputs = getattr(fn, "_input_metadata", None)
+        if not outputs:
+            return None
+        kwargs["dtype"] = outputs[0].dtype
     op = functools.partial(entry.op, **kwargs) if kwargs else entry.op
     saved = [_raw_saved(fn, name) if name is not None else _Saved(None, None) for name in entry.inputs]
     return op, saved, entry.by_split

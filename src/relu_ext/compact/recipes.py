@@ -136,7 +136,10 @@ class _Chaining:
         self.ops_left -= 1
         if self.ops_left < 0:
             return None
-        op, saved, by_split = _remake_of(fn)
+        remake = _remake_of(fn)
+        if remake is None:
+            return None
+        op, saved, by_split = remake
         self.by_split |= by_split
         inputs: list[int | Chain] = []
         for s, (prev, output_nr) in zip(saved, _node_inputs(fn)):
@@ -151,11 +154,34 @@ class _Chaining:
                 if sub is None:
                     return None
                 inputs.append(sub)
+            elif prev is not None and output_nr == 0 and prev.name() == _LAYER_NORM:
+                norm = self.norm(prev)
+                if norm is None:
+                    return None
+                inputs.append(norm)
             elif top:
                 inputs.append(-1)
             else:
                 return None
         return Chain(op, tuple(inputs))
+
+    def norm(self, fn: Any) -> Chain | None:
+        """A LayerNorm's output that no node keeps (under autocast, a Linear keeps its cast): PyTorch's
+        LayerNorm of what its node keeps, with the first eps of LAYER_NORM_EPS that gives its rstd
+        (_eps_probes), read at once: on the CPU only (on CUDA the read would wait for the device; a
+        RemadeNorm's steps do not fit in a chain); None elsewhere, or where no eps gives it."""
+        self.ops_left -= 1
+        read = _norm_sources(fn, self.packer)
+        if self.ops_left < 0 or read is None:
+            return None
+        shape, sources, rstd = read
+        if not rstd.is_cpu:
+            return None
+        hits = _eps_probes(shape, sources, rstd).tolist()
+        if True not in hits:
+            return None
+        eps = LAYER_NORM_EPS[hits.index(True)]
+        return Chain(LayerNormOf(shape, eps), tuple(None if s is None else self.index(s) for s in sources))
 
     def index(self, source: Tensor | _Shared) -> int:
         """`source`'s index among the chain's sources (added where it is new)."""
@@ -241,11 +267,10 @@ def _with_scalar(chain: Chain, live: list[Tensor], t: Tensor) -> tuple[Chain | N
     return chain, number
 
 
-def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
-    """`t` (a LayerNorm output) as PyTorch's LayerNorm of its input, weight and bias, which its node
-    keeps, made in steps (RemadeNorm): checked first by which eps of LAYER_NORM_EPS gives its node's
-    rstd on the row with the largest (a LayerNorm of that row alone is that row's)."""
-    shape, *saved, rstd_saved = _layer_norm_saved(t.grad_fn)
+def _norm_sources(fn: Any, packer: Packing) -> tuple[tuple[int, ...], list[Tensor | _Shared | None], Tensor] | None:
+    """What LayerNorm node `fn` keeps, as a recipe reads it: its normalized shape, its input, weight and
+    bias (None: none), and its rstd; None where what it keeps is not readable (other hooks', changed)."""
+    shape, *saved, rstd_saved = _layer_norm_saved(fn)
     sources: list[Tensor | _Shared | None] = []
     for s in saved:
         source = None if s.data is None and s.unpack_hook is None else _source(s, packer.unpack)
@@ -255,15 +280,31 @@ def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
     rstd = _peek(rstd_saved, packer.unpack)
     if sources[0] is None or rstd is None or rstd.numel() == 0:
         return None
+    return shape, sources, rstd
+
+
+def _eps_probes(shape: tuple[int, ...], sources: list[Tensor | _Shared | None], rstd: Tensor) -> Tensor:
+    """Which eps of LAYER_NORM_EPS give a LayerNorm's rstd on the row with the largest (where eps weighs
+    most; a LayerNorm of that row alone is that row's): a bool tensor on its device, not read."""
     x, weight, bias = (s.live() if isinstance(s, _Shared) else s for s in sources)
-    # The row where eps weighs most: the least variance, the largest rstd (NaN rows aside).
     rstd = rstd.reshape(-1)
     at = torch.where(rstd.isnan(), torch.zeros_like(rstd), rstd).argmax().reshape(1)
     row = x.reshape(-1, *shape).index_select(0, at)
     probes = torch.cat([run_as_forward(LayerNormOf(shape, eps, output=2), [row, weight, bias]).reshape(1)
                         for eps in LAYER_NORM_EPS])
     bits = _INTS[rstd.element_size()]
-    return Made(RemadeNorm(t, shape, sources), probes.view(bits).eq(rstd.index_select(0, at).view(bits)))
+    return probes.view(bits).eq(rstd.index_select(0, at).view(bits))
+
+
+def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
+    """`t` (a LayerNorm output) as PyTorch's LayerNorm of its input, weight and bias, which its node
+    keeps, made in steps (RemadeNorm): checked first by which eps of LAYER_NORM_EPS gives its node's
+    rstd on the row with the largest (_eps_probes)."""
+    read = _norm_sources(t.grad_fn, packer)
+    if read is None:
+        return None
+    shape, sources, rstd = read
+    return Made(RemadeNorm(t, shape, sources), _eps_probes(shape, sources, rstd))
 
 
 def _peek(saved: _Saved, unpack: Any) -> Tensor | None:
