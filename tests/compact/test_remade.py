@@ -41,7 +41,9 @@ def _assert_same(got: tuple, want: tuple) -> None:
 # Arguments each op of graph._REMAKE needs besides its tensors (a value its node keeps).
 _ARGS: dict[str, dict[str, Any]] = {
     "ToCopyBackward0": {"dtype": torch.float64}, "PowBackward0": {"exponent": 3.0},
-    "MeanBackward1": {"dim": [-1], "keepdim": True}, "GeluBackward0": {"approximate": "tanh"}}
+    "MeanBackward1": {"dim": [-1], "keepdim": True}, "GeluBackward0": {"approximate": "tanh"},
+    "ViewBackward0": {"size": [3, 4]}, "UnsafeViewBackward0": {"size": [12]},
+    "TransposeBackward0": {"dim0": -1, "dim1": 0}}
 
 
 def test_the_remade_ops_are_the_ops_of_their_nodes():
@@ -286,12 +288,14 @@ def test_a_layer_norm_output_is_remade_bit_for_bit(dtype, eps, affine):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("viewed", [False, True], ids=["3-D", "viewed"])
 @pytest.mark.parametrize("eps", [1e-5, 1e-3], ids=["eps1e-5", "eps_unknown"])
-def test_a_cast_of_a_layer_norm_output_is_remade_through_the_layer_norm(eps):
-    """Under bfloat16 autocast a Linear keeps the cast of a LayerNorm's output, which no node keeps: the
-    cast is remade through the LayerNorm, its eps found from its rstd at once (on the CPU), as is the
-    cast of the Linear's weight (from the parameter); an eps it does not try keeps the first cast as
-    it is. Gradients PyTorch's, with specials in some rows."""
+def test_a_cast_of_a_layer_norm_output_is_remade_through_the_layer_norm(eps, viewed):
+    """Under bfloat16 autocast a Linear keeps the cast of a LayerNorm's output (or of a 2-D view of it,
+    as GPT-2's Conv1D takes), which no node keeps: the cast is remade through the view and the
+    LayerNorm, its eps found from its rstd at once (on the CPU), as is the cast of the Linear's weight
+    (from the parameter); an eps it does not try keeps the first cast as it is. Gradients PyTorch's,
+    with specials in some rows."""
     torch.manual_seed(0)
     norm, lin = torch.nn.LayerNorm(256, eps=eps), torch.nn.Linear(256, 64)
     x = torch.randn(4, 32, 256) * 3 + 1
@@ -301,7 +305,8 @@ def test_a_cast_of_a_layer_norm_output_is_remade_through_the_layer_norm(eps):
 
     def f(*_: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", torch.bfloat16):
-            return lin(norm(x)).float().nan_to_num().sum()
+            h = norm(x)
+            return lin(h.view(-1, 256) if viewed else h).float().nan_to_num().sum()
 
     want = _grads(f, params)
     sc = relu_ext.save_compact()

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import ctypes
 import functools
+import gc
 import importlib
 import importlib.util
 import json
@@ -346,11 +347,16 @@ def _allocated_by_forward(model: nn.Module, inputs: Any) -> int:
     cuda = any(t.is_cuda for t in (inputs.values() if isinstance(inputs, dict) else [inputs]))
     measure = torch.cuda.memory_allocated if cuda else checkpointing.allocated_bytes
     torch.manual_seed(1)
-    before = measure()
-    if before is None:
-        return 0
-    loss = loss_of(model, inputs)
-    held = measure() - before - loss.untyped_storage().nbytes()
+    gc.collect()  # (and none during the forward: garbage of earlier steps freed there made the count fall)
+    gc.disable()
+    try:
+        before = measure()
+        if before is None:
+            return 0
+        loss = loss_of(model, inputs)
+        held = measure() - before - loss.untyped_storage().nbytes()
+    finally:
+        gc.enable()
     del loss
     return max(held, 0)
 

@@ -31,7 +31,8 @@ class _Remake(NamedTuple):
     order, the name its node saves it as, or None where the node keeps no such input (a tanh keeps its
     output, an add nothing: that input comes from another node, or is remade itself); its other
     arguments as its node keeps them (passed as keywords); `dtype`: whether the op is given its
-    output's dtype, which its node does not keep (a cast, a mean) but autograd records; `by_split`:
+    output's dtype or sizes, which its node does not keep (a cast, a mean, a view) but autograd
+    records (`output`: the keywords they are passed as); `by_split`:
     whether its bits on the CPU depend on how the work is split among threads (its vector and scalar
     loops differ in last bits: a transcendental such as GELU's erf; a reduction's order), so that a
     rebuild runs with the forward's thread count. An IEEE add, multiply or divide, or a cast, is the
@@ -40,7 +41,7 @@ class _Remake(NamedTuple):
     op: Any
     inputs: tuple[str | None, ...]
     args: tuple[str, ...] = ()
-    dtype: bool = False
+    output: tuple[str, ...] = ()  # ("dtype",), ("size",)
     by_split: bool = False
 
 
@@ -51,15 +52,24 @@ _REMAKE: dict[str, _Remake] = {
     "MulBackward0": _Remake(_aten.mul.Tensor, ("self", "other")),
     "DivBackward0": _Remake(_aten.div.Tensor, ("self", "other")),
     "AddBackward0": _Remake(_aten.add.Tensor, (None, None), ("alpha",)),
-    "ToCopyBackward0": _Remake(_aten._to_copy.default, (None,), dtype=True),
+    "ToCopyBackward0": _Remake(_aten._to_copy.default, (None,), output=("dtype",)),
+    "ViewBackward0": _Remake(_aten.view.default, (None,), output=("size",)),
+    "UnsafeViewBackward0": _Remake(_aten._unsafe_view.default, (None,), output=("size",)),
+    "AliasBackward0": _Remake(_aten.alias.default, (None,)),
+    "TransposeBackward0": _Remake(_aten.transpose.int, (None,), ("dim0", "dim1")),
+    "TBackward0": _Remake(_aten.t.default, (None,)),
     "GeluBackward0": _Remake(_aten.gelu.default, ("self",), ("approximate",), by_split=True),
     "SiluBackward0": _Remake(_aten.silu.default, ("self",), by_split=True),
     "TanhBackward0": _Remake(_aten.tanh.default, (None,), by_split=True),
     "SigmoidBackward0": _Remake(_aten.sigmoid.default, (None,), by_split=True),
     "RsqrtBackward0": _Remake(_aten.rsqrt.default, (None,), by_split=True),
     "PowBackward0": _Remake(_aten.pow.Tensor_Scalar, ("self",), ("exponent",), by_split=True),
-    "MeanBackward1": _Remake(_aten.mean.dim, (None,), ("dim", "keepdim"), dtype=True, by_split=True),
+    "MeanBackward1": _Remake(_aten.mean.dim, (None,), ("dim", "keepdim"), output=("dtype",), by_split=True),
 }
+# Nodes of _REMAKE that make views: run inside a chain (the bfloat16 cast of a view of a LayerNorm
+# output), never a form of their own (a saved view is its base's form, or as it is: hooks._pack_view).
+REMAKE_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "TransposeBackward0",
+                          "TBackward0"})
 
 
 def _activation_nodes() -> dict[str, tuple[Any, bool]]:
@@ -170,11 +180,11 @@ def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool] | None:
     outputs, whose gradients the node takes). Checked on torch 2.11 and 2.15.0."""
     entry = _REMAKE[fn.name()]
     kwargs = {name: _signed(getattr(fn, f"_saved_{name}")) for name in entry.args}
-    if entry.dtype:
+    if entry.output:
         outputs = getattr(fn, "_input_metadata", None)
         if not outputs:
             return None
-        kwargs["dtype"] = outputs[0].dtype
+        kwargs.update({name: outputs[0].dtype if name == "dtype" else list(outputs[0].shape) for name in entry.output})
     op = functools.partial(entry.op, **kwargs) if kwargs else entry.op
     saved = [_raw_saved(fn, name) if name is not None else _Saved(None, None) for name in entry.inputs]
     return op, saved, entry.by_split
@@ -184,8 +194,8 @@ def _signed(value: Any) -> Any:
     """An argument a node kept, with dimensions as the op takes them: a node keeps a list of them as
     unsigned integers (-1 as 2**64 - 1)."""
     if isinstance(value, tuple):
-        return [v - 2**64 if isinstance(v, int) and v >= 2**63 else v for v in value]
-    return value
+        return [_signed(v) for v in value]
+    return value - 2**64 if isinstance(value, int) and value >= 2**63 else value
 
 
 def _node_inputs(fn: Any) -> tuple[tuple[Any, int], ...]:

@@ -20,10 +20,10 @@ from torch import Tensor
 from .bits import _INTS, _bool_bits, _is_dense, _same_bits_later
 from .forms import (LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade, RemadeNorm, Replayed,
                     TwoValued, _Dense, _gathered, _Shared, run_as_forward)
-from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, _activation_of, _after_batchnorm,
-                    _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs, _is_batchnorm, _kept,
-                    _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _raw_saved, _relu_ext_mask, _remake_of,
-                    _Saved)
+from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
+                    _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs,
+                    _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _raw_saved,
+                    _relu_ext_mask, _remake_of, _Saved)
 
 _ops = torch.ops.relu_ext
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
@@ -490,7 +490,7 @@ FORMS = (
     Row(Concatenated, frozenset({_CAT}), _a_recipe_output, _extended),
     Row(Concatenated, frozenset({_CAT}), _a_recipe_output, _chain_start),
     Row(Pooled, frozenset({_MAX_POOL}), _a_recipe_output, _pooled),
-    Row(Remade, frozenset(_REMAKE), _a_recipe_output, _remade),
+    Row(Remade, frozenset(_REMAKE) - REMAKE_VIEWS, _a_recipe_output, _remade),
     Row(RemadeNorm, frozenset({_LAYER_NORM}), _a_recipe_output, _layer_norm),
     Row(Replayed, ACTIVATION_NODES, _after_a_batchnorm, _replayed),
     Row(Compacted, ACTIVATION_NODES, _zeros_mostly, _compacted),
