@@ -30,13 +30,12 @@ class _Remake(NamedTuple):
     """How an op's output is remade (forms.Remade): the op; for each of its tensor inputs, in the op's
     order, the name its node saves it as, or None where the node keeps no such input (a tanh keeps its
     output, an add nothing: that input comes from another node, or is remade itself); its other
-    arguments as its node keeps them (passed as keywords); `dtype`: whether the op is given its
-    output's dtype or sizes, which its node does not keep (a cast, a mean, a view) but autograd
-    records (`output`: the keywords they are passed as); `by_split`:
-    whether its bits on the CPU depend on how the work is split among threads (its vector and scalar
-    loops differ in last bits: a transcendental such as GELU's erf; a reduction's order), so that a
-    rebuild runs with the forward's thread count. An IEEE add, multiply or divide, or a cast, is the
-    same in every loop."""
+    arguments as its node keeps them (passed as keywords); `output`: the keywords given its output's
+    dtype or sizes, which its node does not keep (a cast, a mean, a view) but autograd records;
+    `by_split`: whether its bits on the CPU depend on how the work is split among threads (its vector
+    and scalar loops differ in last bits: a transcendental such as GELU's erf; a reduction's order),
+    so that a rebuild runs with the forward's thread count. An IEEE add, multiply or divide, or a cast,
+    is the same in every loop."""
 
     op: Any
     inputs: tuple[str | None, ...]
@@ -191,8 +190,8 @@ def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool] | None:
 
 
 def _signed(value: Any) -> Any:
-    """An argument a node kept, with dimensions as the op takes them: a node keeps a list of them as
-    unsigned integers (-1 as 2**64 - 1)."""
+    """An argument a node kept, with dimensions as the op takes them: a node keeps a dimension, or a
+    list of them, as unsigned integers (-1 as 2**64 - 1)."""
     if isinstance(value, tuple):
         return [_signed(v) for v in value]
     return value - 2**64 if isinstance(value, int) and value >= 2**63 else value
