@@ -603,7 +603,7 @@ class Remade(_Shared):
         ops = op.ops() if isinstance(op, Chain) else 1
         super().__init__(t, sum(o.nbytes for o in own), ops + sum(s.depth for s in sources if isinstance(s, _Shared)))
         self.op, self.sources, self.own = op, tuple(sources), own  # (a source None: an input given as None)
-        self.recent: Tensor | None = None  # its value as verified, while packing (recipes._remember)
+        self.recent: Tensor | None = None  # its value as verified, while packing (recipes.Recent)
         self.op_name = _op_name(op)
         self.versions = tuple(s._version if isinstance(s, Tensor) else None for s in sources)
         pinned = by_split and t.device.type == "cpu"

@@ -16,7 +16,7 @@ from .bits import _is_dense
 from .deferred import Deferred
 from .forms import Narrowed, _Dense, _Shared, _ViewOf
 from .graph import _REMAKE, _after_batchnorm, _mostly_zeros, _node_name, _note_kept
-from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Row, _plain_dense
+from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Recent, Row, _plain_dense
 from .stats import _Stats
 
 # The default pending_bytes on a GPU, as a fraction of its memory: several layers' outputs at
@@ -222,8 +222,8 @@ class _Packer:
         self.ints: dict[int, Narrowed] = {}
         # The last concatenation kept in pieces, by its dimension and its other sizes (recipes._chain_key).
         self.chains: dict[tuple[Any, ...], weakref.ref] = {}
-        # The last remade forms that hold their value as verified (forms.Remade.recent), oldest first.
-        self.recent: deque[Any] = deque()
+        # The last remade forms that hold their value as verified, while the forward packs.
+        self.recent = Recent()
         # Forms whose check has not come back, oldest first, each with the bytes of the tensor it holds
         # until then, and those bytes in all.
         self.waiting: deque[_Check] = deque()
@@ -268,8 +268,8 @@ class _Packer:
             return hit.packed.again()
         fn = t.grad_fn
         node = _node_name(fn)
-        if self.recent and node is not None and node not in _REMAKE:
-            self.forget_recent()  # (a tensor of another op: the chains the values served are done)
+        if self.recent.forms and node is not None and node not in _REMAKE:
+            self.recent.forget()  # (a tensor of another op: the chains the values served are done)
         if node is None and _narrowable(t):
             return self._narrowed(t)
         rows = [row for row in FORMS_BY_NODE.get(node, ()) if row.applies(t, self.recompute)]
@@ -429,12 +429,7 @@ class _Packer:
             self._narrow(wait=False)
         self.ints.clear()
         self.chains.clear()
-        self.forget_recent()
-
-    def forget_recent(self) -> None:
-        """Drop the values the last remade forms hold (recipes._remember)."""
-        while self.recent:
-            self.recent.popleft().recent = None
+        self.recent.forget()
 
     def _narrow(self, wait: bool) -> None:
         """Narrow the integer tensors whose range has come back (with `wait`, all of them)."""

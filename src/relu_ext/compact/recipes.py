@@ -34,7 +34,7 @@ class Packing(Protocol):
 
     unpack: Callable[[Any], Tensor]  # its unpack hook: what tells this context's saved forms apart
     chains: dict[tuple[Any, ...], weakref.ref]  # the last concatenation kept, by _chain_key
-    recent: deque[Remade]  # the last remade forms holding their value as verified (_remember)
+    recent: Recent  # the last remade forms holding their value as verified
     min_saving: float
 
 
@@ -208,8 +208,8 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
     live = found.live()
     own: tuple[Tensor, ...] = ()
     if -1 in chain.inputs:
-        chain, number = _with_scalar(chain, live, t)
-        if chain is None or number is None:
+        number = _with_scalar(chain, live, t)
+        if number is None:
             return None
         chain = Chain(chain.op, tuple(found.index(number) if i == -1 else i for i in chain.inputs))
         live, own = live + [number], (number,)
@@ -218,53 +218,60 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
         return None
     form = Remade(t, chain, found.sources, found.by_split, own)
     flag = _same_bits_later([(now, t.detach())])
-    _remember(form, now, packer)
+    packer.recent.remember(form, now)
     return Made(form, flag)
 
 
-# How many remade forms hold their value (what a chain made of them reads while it is verified).
-_RECENT = 3
+class Recent:
+    """The last remade forms that hold their value as verified (``Remade.recent``), oldest first: each
+    until `size` later forms do, or forget() (the pack hook's, at a tensor of an op outside the table,
+    and at the exit). A form made of them in the same chain of ops (GPT-2's ``1.0 + tanh``, then their
+    product) reads them instead of running their ops again: values the forward had just made and
+    eager PyTorch held too."""
 
+    def __init__(self, size: int = 3) -> None:
+        self.size = size
+        self.forms: deque[Remade] = deque()
 
-def _remember(form: Remade, now: Tensor, packer: Packing) -> None:
-    """Let `form` hold `now`, its value, until _RECENT later forms do, a tensor of an op outside the
-    table is saved, or the context exits: a form made of it in the same chain of ops (GPT-2's
-    ``1.0 + tanh``, then their product) reads it there instead of running its ops again. Values the
-    forward had just made and eager PyTorch held too."""
-    form.recent = now
-    packer.recent.append(form)
-    if len(packer.recent) > _RECENT:
-        packer.recent.popleft().recent = None
+    def remember(self, form: Remade, value: Tensor) -> None:
+        """Let `form` hold `value`, its value."""
+        form.recent = value
+        self.forms.append(form)
+        if len(self.forms) > self.size:
+            self.forms.popleft().recent = None
+
+    def forget(self) -> None:
+        """Drop every value held."""
+        while self.forms:
+            self.forms.popleft().recent = None
 
 
 # The elements among which _with_scalar reads the number an add was given.
 _GUESS_FROM = 65536
 
 
-def _with_scalar(chain: Chain, live: list[Tensor], t: Tensor) -> tuple[Chain | None, Tensor | None]:
-    """`chain`, an add of `t`'s shape and a Python number that its node did not keep (``1.0 + x``;
-    alpha 1; the number's input -1), and the number, in `t`'s dtype, on its device (no wait for it):
-    read where the other input is smallest, `t` there where adding the other input to it gives `t`
-    there again (the other input too small to round the sum), else `t` less it there. A guess: the
-    check when saved confirms it, or the tensor is kept. (None, None) where `chain` is not such an add."""
+def _with_scalar(chain: Chain, live: list[Tensor], t: Tensor) -> Tensor | None:
+    """For `chain`, an add of `t`'s shape and a Python number that its node did not keep (``1.0 + x``;
+    alpha 1; the number's input -1): the number, in `t`'s dtype, on its device (no wait for it), read
+    where the other input is smallest, `t` there where adding the other input to it gives `t` there
+    again (the other input too small to round the sum), else `t` less it there. A guess: the check
+    when saved confirms it, or the tensor is kept. None where `chain` is not such an add."""
     op, (a, b) = chain.op, chain.inputs if len(chain.inputs) == 2 else (None, None)
     if getattr(op, "func", None) is not _REMAKE["AddBackward0"].op or op.keywords["alpha"] != 1 or -1 not in (a, b):
-        return None, None
+        return None
     known = b if a == -1 else a
     if known == -1:
-        return None, None
+        return None
     x = live[known] if isinstance(known, int) else run_as_forward(known, live)
     if x.shape != t.shape or x.dtype != t.dtype:
-        return None, None
+        return None
     flat, out = x.reshape(-1), t.detach().reshape(-1)
     head = flat[:_GUESS_FROM]  # (enough elements to find a small one; argmin over all costs a pass)
     at = torch.where(head.isnan(), torch.full_like(head, float("inf")), head.abs()).argmin().reshape(1)
     x_there, out_there = flat.index_select(0, at), out.index_select(0, at)
     less = (out_there.double() - x_there.double()).to(t.dtype)
     again = run_as_forward(op, [x_there, out_there] if a == known else [out_there, x_there])
-    number = torch.where(again.view(_INTS[t.element_size()]) == out_there.view(_INTS[t.element_size()]),
-                         out_there, less).reshape(())
-    return chain, number
+    return torch.where(_same_bits_later([(again, out_there)]), out_there, less).reshape(())
 
 
 def _norm_sources(fn: Any, packer: Packing) -> tuple[tuple[int, ...], list[Tensor | _Shared | None], Tensor] | None:
