@@ -49,6 +49,9 @@ _aten = torch.ops.aten
 # Nodes of ops whose output is remade from its inputs (forms.Remade), by the node's name.
 _REMAKE: dict[str, _Remake] = {
     "MulBackward0": _Remake(_aten.mul.Tensor, ("self", "other")),
+    "MulBackward1": _Remake(_aten.mul.Scalar, (None,), ("other",)),
+    "EmbeddingBackward0": _Remake(_aten.embedding.default, (None, "indices"),
+                                  ("padding_idx", "scale_grad_by_freq", "sparse")),
     "DivBackward0": _Remake(_aten.div.Tensor, ("self", "other")),
     "AddBackward0": _Remake(_aten.add.Tensor, (None, None), ("alpha",)),
     "ToCopyBackward0": _Remake(_aten._to_copy.default, (None,), output=("dtype",)),
@@ -197,10 +200,13 @@ def _signed(value: Any) -> Any:
     return value - 2**64 if isinstance(value, int) and value >= 2**63 else value
 
 
-def _node_inputs(fn: Any) -> tuple[tuple[Any, int], ...]:
+def _node_inputs(fn: Any, count: int = 0) -> tuple[tuple[Any, int], ...]:
     """The (node, output_nr) pairs of what made node `fn`'s inputs, in its op's order ((None, 0): an
-    input that needs no gradient, such as a Python number). Checked on torch 2.11 and 2.15.0."""
-    return fn.next_functions
+    input that needs no gradient, such as a Python number), padded with (None, 0) to `count` inputs
+    (an op's inputs that cannot have a gradient have no edge: embedding's indices, which come last).
+    Checked on torch 2.11 and 2.15.0."""
+    edges = fn.next_functions
+    return edges + ((None, 0),) * (count - len(edges))
 
 
 def _leaf(fn: Any) -> Tensor | None:

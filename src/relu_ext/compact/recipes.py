@@ -142,7 +142,7 @@ class _Chaining:
         op, saved, by_split = remake
         self.by_split |= by_split
         inputs: list[int | Chain] = []
-        for s, (prev, output_nr) in zip(saved, _node_inputs(fn)):
+        for s, (prev, output_nr) in zip(saved, _node_inputs(fn, len(saved))):
             source = _source(s, self.packer.unpack)
             if source is None and prev is not None:
                 source = _kept_source(prev, output_nr)
