@@ -454,6 +454,32 @@ def test_changed_in_place_after_the_forward_raises_pytorchs_error(when):
         loss.backward()
 
 
+def test_an_embedding_table_renormalized_after_the_lookup_raises_a_clear_error():
+    """An embedding with max_norm looked up twice: the second lookup renormalizes the table in place
+    after the first output was saved (remade from the table, which no node keeps). PyTorch's backward
+    runs; save_compact()'s raises the in-place error, naming recompute=False, with which gradients are
+    PyTorch's (never other values)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(100, 16, max_norm=1.0)
+    ids = torch.randint(0, 100, (2, 8, 64))
+    c = torch.randn(8, 64, 16, requires_grad=True)
+
+    def f(*_: torch.Tensor) -> torch.Tensor:
+        return (emb(ids[0]) * c + emb(ids[1]) * c).sum()
+
+    before = emb.weight.detach().clone()
+    want = _grads(f, [c, emb.weight])
+    emb.weight.data.copy_(before)
+    sc = relu_ext.save_compact()
+    with sc:
+        loss = f()
+    assert sc.remade_by_op == {"embedding": 2}, sc.report()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*recompute=False"):
+        loss.backward()
+    emb.weight.data.copy_(before)
+    _assert_same(_grads(f, [c, emb.weight], relu_ext.save_compact(recompute=False)), want)
+
+
 # Blocks whose remade tensors are rebuilt on another thread: how many, by op.
 _BLOCKS = {"rms_norm": {"mul": 2}, "gelu": {"gelu": 1, "mul": 1},
            "gelu_new": {"mul": 3, "tanh": 1, "add": 1}}

@@ -626,7 +626,8 @@ class Remade(_Shared):
         return self.recent if self.recent is not None else self._make(live=True)
 
     def _make(self, live: bool) -> Tensor:
-        why = "relu_ext.save_compact remakes a tensor from this one, which changed after the forward"
+        why = ("relu_ext.save_compact remakes a tensor from this one, which changed after that tensor was saved; "
+               "save_compact(recompute=False) keeps such tensors as they are")
         args = [(s.live() if live else s.current(keep=True)) if isinstance(s, _Shared)
                 else None if s is None else _checked(s, v, why) for s, v in zip(self.sources, self.versions)]
         return run_as_forward(self.op, args, self.threads)
