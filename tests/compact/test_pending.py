@@ -21,7 +21,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 import relu_ext
-from conftest import assert_same_step, train_step
+from conftest import adversarial, assert_bitwise_equal, assert_same_step, train_step
 from relu_ext.compact import forms, hooks, recipes, streams
 from relu_ext.compact.deferred import Deferred
 from test_deferred import _Net
@@ -748,3 +748,35 @@ def test_double_backward_before_any_check_is_back(events):
     want = run(contextlib.nullcontext())
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert sc.replayed == 1
+
+
+@pytest.mark.parametrize("back", [True, False], ids=["back", "not_back"])
+@pytest.mark.parametrize("eps", [1e-5, 1e-12, 1e-3], ids=["eps1e-5", "eps1e-12", "eps_unknown"])
+def test_a_cast_of_a_layer_norm_output_is_remade_in_steps(events, eps, back):
+    """Where checks come back later (as on CUDA), the bfloat16 cast of a LayerNorm output that a Linear
+    keeps under autocast is remade through the LayerNorm in steps, its eps found without a wait: the
+    probe of which eps give the node's rstd, then each of those in turn on the whole tensor. Backward
+    before or after the checks are back: PyTorch's gradients, bit for bit; an eps it does not try
+    keeps the cast as it is; nothing waited for."""
+    torch.manual_seed(0)
+    norm, lin = nn.LayerNorm(256, eps=eps), nn.Linear(256, 64)
+    x = torch.randn(4, 32, 256) * 3 + 1
+    x[1, :2] = adversarial(2 * 256, torch.float32).view(2, 256)  # (rows of NaN, ±inf, ±0, denormals)
+    x.requires_grad_()
+    params = [x, lin.weight, norm.weight]
+
+    def loss_of(ctx) -> torch.Tensor:
+        with ctx, torch.autocast("cpu", torch.bfloat16):
+            return lin(norm(x)).float().nan_to_num().sum()
+
+    want = torch.autograd.grad(loss_of(contextlib.nullcontext()), params)
+    sc = relu_ext.save_compact()
+    loss = loss_of(sc)
+    if back:
+        _come_back(events, sc._packer)
+    got = torch.autograd.grad(loss, params)
+    assert not any(e.waited for e in events)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_bitwise_equal(a, b, f"gradient {i}")
+    # (The Linear's weight cast is remade from the parameter; the LayerNorm output's, where eps is tried.)
+    assert sc.remade_by_op == {"_to_copy": 1 if eps == 1e-3 else 2}, sc.report()

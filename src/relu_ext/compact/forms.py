@@ -651,31 +651,38 @@ class Remade(_Shared):
 LAYER_NORM_EPS = (1e-5, 1e-6, 1e-12, 1e-8, 1e-7)
 
 
-class LayerNormOf(NamedTuple):
-    """PyTorch's LayerNorm as an op of its input, weight and bias (a RemadeNorm's op): its `output`
-    (0: the output; 2: rstd)."""
+class LayerNormOf:
+    """PyTorch's LayerNorm as an op of its input, weight and bias (a chain's op, or a RemadeNorm's): its
+    `output` (0: the output; 2: rstd), with `eps` (None until a RemadeNorm's steps set it)."""
 
-    shape: tuple[int, ...]
-    eps: float
-    output: int = 0
+    __slots__ = ("shape", "eps", "output")
+
+    def __init__(self, shape: tuple[int, ...], eps: float | None = None, output: int = 0) -> None:
+        self.shape, self.eps, self.output = shape, eps, output
 
     def __call__(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        assert self.eps is not None
         return torch.native_layer_norm(x, self.shape, weight, bias, self.eps)[self.output]
 
 
 class RemadeNorm(Remade):
-    """A LayerNorm output (kept by the next layers) remade by PyTorch's LayerNorm from its input, weight
-    and bias, which its node keeps. The node does not keep its eps: made in steps, as Compacted is, each
-    waiting for a value from the device: which of LAYER_NORM_EPS give the node's rstd on the row where
-    eps weighs most (the check the form is made with), then whether each of those in turn gives the
-    output, bit for bit (in bfloat16 several may give that rstd). A LayerNorm computes each row on its
-    own, so its bits do not depend on how the rows are split among threads."""
+    """A tensor remade through PyTorch's LayerNorm (`norm`) of an input, weight and bias that its node
+    keeps: the LayerNorm's output itself (kept by the next layers; its op is `norm`), or, where values
+    reach the host later (CUDA), a chain through one (under autocast a Linear keeps the cast of its
+    output). The node does not keep its eps: made in steps, as Compacted is, each waiting for a value
+    from the device: which of LAYER_NORM_EPS give the node's rstd on the row where eps weighs most (the
+    check the form is made with), then whether each of those in turn gives the tensor, bit for bit (in
+    bfloat16 several may give that rstd). A LayerNorm computes each row on its own, so its bits do not
+    depend on how the rows are split among threads."""
 
-    __slots__ = ("shape", "untried")
+    __slots__ = ("norm", "untried")
 
-    def __init__(self, t: Tensor, shape: tuple[int, ...], sources: list[Tensor | _Shared | None]) -> None:
-        super().__init__(t, None, sources)
-        self.shape, self.op_name = shape, "layer_norm"
+    def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None], norm: LayerNormOf,
+                 by_split: bool = False) -> None:
+        super().__init__(t, op, sources, by_split)
+        self.norm = norm
+        if op is norm:
+            self.op_name = "layer_norm"
         self.untried: list[float] | None = None  # (None: the probe's check is not back)
 
     def _step(self, check: Deferred) -> bool | str | Deferred:
@@ -687,9 +694,9 @@ class RemadeNorm(Remade):
         assert self.whole is not None
         if not self.untried or not self.whole.unchanged():
             return self.missed_as
-        self.op = LayerNormOf(self.shape, self.untried.pop(0))
+        self.norm.eps = self.untried.pop(0)
         now, t = self._make(live=True), self.whole.tensor
-        if now.dtype != t.dtype or now.stride() != t.stride():
+        if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride():
             return self.missed_as
         return Deferred(_same_bits_later([(now, t)]))
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .bits import _INTS, _bool_bits, _is_dense, _same_bits_later
+from .deferred import Deferred
 from .forms import (LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade, RemadeNorm, Replayed,
                     TwoValued, _Dense, _gathered, _Shared, run_as_forward)
 from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
@@ -127,6 +128,10 @@ class _Chaining:
         self.sources: list[Tensor | _Shared] = []
         self.by_split = False
         self.ops_left = _MAX_OPS
+        # A LayerNorm in the chain whose eps its form's steps find (where values reach the host later),
+        # and the check they start with: which eps give its rstd (_eps_probes).
+        self.steps_norm: LayerNormOf | None = None
+        self.probe: Tensor | None = None
 
     def chain(self, fn: Any, top: bool = True) -> Chain | None:
         """Node `fn`'s op on its inputs, each a source (what its node saved; else another node's saved
@@ -167,21 +172,26 @@ class _Chaining:
 
     def norm(self, fn: Any) -> Chain | None:
         """A LayerNorm's output that no node keeps (under autocast, a Linear keeps its cast): PyTorch's
-        LayerNorm of what its node keeps, with the first eps of LAYER_NORM_EPS that gives its rstd
-        (_eps_probes), read at once: on the CPU only (on CUDA the read would wait for the device; a
-        RemadeNorm's steps do not fit in a chain); None elsewhere, or where no eps gives it."""
+        LayerNorm of what its node keeps, with an eps of LAYER_NORM_EPS that gives its rstd (_eps_probes):
+        where that is on the host at once (the CPU), the first; else (CUDA) found by the form's steps
+        (RemadeNorm), one LayerNorm a chain. None where no eps gives it, or a second one would wait."""
         self.ops_left -= 1
         read = _norm_sources(fn, self.packer)
         if self.ops_left < 0 or read is None:
             return None
         shape, sources, rstd = read
-        if not rstd.is_cpu:
+        probe = _eps_probes(shape, sources, rstd)
+        if Deferred.at_once(rstd):
+            hits = Deferred(probe).ints()
+            if 1 not in hits:
+                return None
+            norm = LayerNormOf(shape, LAYER_NORM_EPS[hits.index(1)])
+        elif self.steps_norm is None:
+            norm = self.steps_norm = LayerNormOf(shape)
+            self.probe = probe
+        else:
             return None
-        hits = _eps_probes(shape, sources, rstd).tolist()
-        if True not in hits:
-            return None
-        eps = LAYER_NORM_EPS[hits.index(True)]
-        return Chain(LayerNormOf(shape, eps), tuple(None if s is None else self.index(s) for s in sources))
+        return Chain(norm, tuple(None if s is None else self.index(s) for s in sources))
 
     def index(self, source: Tensor | _Shared) -> int:
         """`source`'s index among the chain's sources (added where it is new)."""
@@ -205,6 +215,10 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
     chain = found.chain(t.grad_fn)
     if chain is None:
         return None
+    if found.steps_norm is not None:  # (its eps found in steps, see _Chaining.norm; no number to find too)
+        if -1 in chain.inputs:
+            return None
+        return Made(RemadeNorm(t, chain, found.sources, found.steps_norm, found.by_split), found.probe)
     live = found.live()
     own: tuple[Tensor, ...] = ()
     if -1 in chain.inputs:
@@ -311,7 +325,8 @@ def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
     if read is None:
         return None
     shape, sources, rstd = read
-    return Made(RemadeNorm(t, shape, sources), _eps_probes(shape, sources, rstd))
+    norm = LayerNormOf(shape)
+    return Made(RemadeNorm(t, norm, sources, norm), _eps_probes(shape, sources, rstd))
 
 
 def _peek(saved: _Saved, unpack: Any) -> Tensor | None:
