@@ -394,6 +394,33 @@ def test_every_form_rebuilt_on_cuda_is_exact():
 
 
 @needs_gpu
+@pytest.mark.parametrize("back", [True, False], ids=["rebuilt", "held"])
+def test_remade_ops_on_cuda_are_exact(back):
+    """A transformer's MLP under bfloat16 autocast on CUDA: the cast of the LayerNorm's output that the
+    first Linear keeps, remade through the LayerNorm with its eps found in steps, the weights' casts
+    from the parameters, GELU and the product from what their nodes keep. Every check back before
+    backward (each rebuilt), or none (each held as it is): PyTorch's gradients, bitwise."""
+    torch.manual_seed(0)
+    norm, lin1, lin2 = nn.LayerNorm(256).cuda(), nn.Linear(256, 512).cuda(), nn.Linear(512, 256).cuda()
+    x = torch.randn(8, 64, 256, device="cuda", requires_grad=True)
+    params = [x, norm.weight, lin1.weight, lin2.weight]
+
+    def loss_of(ctx) -> torch.Tensor:
+        with ctx, torch.autocast("cuda", torch.bfloat16):
+            h = lin1(norm(x))
+            return lin2(nn.functional.gelu(h) * h).float().square().mean()
+
+    want = torch.autograd.grad(loss_of(contextlib.nullcontext()), params)
+    sc = relu_ext.save_compact()
+    loss = loss_of(sc)
+    if back:
+        sc._packer.settle()
+    got = torch.autograd.grad(loss, params)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sc.remade_by_op == {"_to_copy": 3, "gelu": 1, "mul": 1}, sc.report()
+
+
+@needs_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
 def test_a_step_on_the_second_gpu_while_the_first_is_current(monkeypatch):
     """The model on cuda:1 with cuda:0 current: each check's copy and event on cuda:1's stream (the
