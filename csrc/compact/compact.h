@@ -45,6 +45,11 @@ void binary_expand_cpu(const uint8_t* mask, const at::Tensor& value, const at::T
 // with the one before it). torch.equal compares numbers (NaN != NaN), one
 // element at a time; this compares memory, a contiguous run at a time.
 bool same_bits_cpu(const at::Tensor& a, const at::Tensor& b);
+// The sum of a dense CPU tensor's bytes as 64-bit words from its first element
+// (the last word zero-padded), modulo 2**64 (compact_cpu.cpp): a fingerprint
+// that a change of one element's bits always changes, the same however the
+// sum is split (save_compact's check of a remade tensor's rebuild).
+int64_t bits_sum_cpu(const at::Tensor& t);
 
 
 #ifdef WITH_CUDA

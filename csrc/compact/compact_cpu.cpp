@@ -599,6 +599,41 @@ bool same_bits_cpu(const at::Tensor& a, const at::Tensor& b) {
 
 namespace {
 
+// The sum of 64-bit words [begin, end) of `data`, modulo 2**64 (unsigned: it wraps).
+uint64_t sum_words(const char* data, int64_t begin, int64_t end) {
+  uint64_t sum = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    uint64_t word;
+    std::memcpy(&word, data + 8 * i, 8);
+    sum += word;
+  }
+  return sum;
+}
+
+}  // namespace
+
+int64_t bits_sum_cpu(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided && t.is_non_overlapping_and_dense(),
+              "relu_ext.bits_sum: a dense strided CPU tensor only, got ", t.device(), " ", t.layout(), " of sizes ",
+              t.sizes(), " and strides ", t.strides());
+  const int64_t width = static_cast<int64_t>(t.element_size());
+  TORCH_CHECK(8 % width == 0, "relu_ext.bits_sum: elements of 1, 2, 4 or 8 bytes, got ", width);
+  // Dense: its elements fill the block of memory that starts at its data pointer (strides are never
+  // negative). Its bytes are summed as 64-bit words from there (the last one zero-padded): an element
+  // lies in one word (its width divides 8), so a change of its bits changes one word, and the sum.
+  const char* data = static_cast<const char*>(t.const_data_ptr());
+  const int64_t bytes = t.numel() * width, words = bytes / 8;
+  uint64_t sum = at::parallel_reduce(
+      int64_t{0}, words, at::internal::GRAIN_SIZE, uint64_t{0},
+      [&](int64_t begin, int64_t end, uint64_t acc) { return acc + sum_words(data, begin, end); },
+      [](uint64_t a, uint64_t b) { return a + b; });
+  uint64_t last = 0;
+  std::memcpy(&last, data + 8 * words, static_cast<size_t>(bytes - 8 * words));
+  return static_cast<int64_t>(sum + last);
+}
+
+namespace {
+
 // Two-valued tensors (binary_mask / binary_expand): one pass each. The
 // portable code serves the scalar set and the tensor's partial last byte; the
 // AVX-512 set runs the AVX2 code (these passes are bound by memory).

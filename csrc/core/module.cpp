@@ -188,6 +188,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("same_bits", &same_bits_cpu, pybind11::arg("a"), pybind11::arg("b"),
         "Whether two CPU tensors of the same sizes and dtype hold the same bits, whatever their strides.");
+  m.def("bits_sum", &bits_sum_cpu, pybind11::arg("t"),
+        "The sum of a dense CPU tensor's bytes as 64-bit words from its first element, modulo 2**64 (as an int64).");
   m.def(
       "output_strides",
       [](const std::string& name, const at::Tensor& x) {

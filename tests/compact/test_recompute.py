@@ -546,6 +546,37 @@ def test_same_bits_on_device_compares_bits_not_values():
         compact._same_bits_on_device([(torch.zeros(3), torch.zeros(4))])
 
 
+def test_the_fingerprint_of_a_remade_tensor_sees_one_bit():
+    """forms._bits_sum, the fingerprint a remade tensor's rebuild is checked against: the same for the
+    same bits in the same layout, whatever the thread count, the sizes (a last word partly filled) or
+    where the tensor starts; another for one bit changed anywhere (a NaN's payload, the sign of zero,
+    the last element); a tensor that is not dense refused with a message."""
+    from conftest import adversarial
+
+    for dtype in DTYPES:
+        for n in (4096, 4099, 3):
+            a = adversarial(n, dtype, seed=7)
+            b = torch.empty(n + 1, dtype=dtype)[1:].copy_(a)  # (the same bits, starting elsewhere)
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                one = forms._bits_sum(a)
+            finally:
+                torch.set_num_threads(threads)
+            assert forms._bits_sum(a) == forms._bits_sum(b) == one, (dtype, n)
+            for i in sorted({0, n // 2, n - 1}):
+                c = a.clone()
+                c.view(INT_OF[dtype])[i] ^= 1
+                assert forms._bits_sum(c) != one, (dtype, n, i)
+        z, mz = torch.zeros(8, dtype=dtype), torch.zeros(8, dtype=dtype)
+        mz[3] = -0.0  # (one element: changes of several can cancel out, as eight sign bits of float64 do)
+        assert forms._bits_sum(z) != forms._bits_sum(mz)
+    t = torch.randn(16, 8, 4).permute(2, 0, 1)  # (dense, another order)
+    assert forms._bits_sum(t) == forms._bits_sum(t.clone())
+    with pytest.raises(RuntimeError, match="dense strided CPU tensor"):
+        forms._bits_sum(torch.randn(8, 8)[:, ::2])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_concatenations_and_pools_are_kept_as_recipes_on_cuda(dtype):
