@@ -136,8 +136,8 @@ class _Chaining:
     def chain(self, fn: Any, top: bool = True) -> Chain | None:
         """Node `fn`'s op on its inputs, each a source (what its node saved; else another node's saved
         output, or a parameter) or, where the graph keeps none, remade itself from its own node; None
-        where an input is neither, but at the `top`, where it is -1 (a Python number given to an add,
-        which _with_scalar finds)."""
+        where an input is neither, but at the `top`, where one that needs no gradient is -1 (a Python
+        number given to an add, which _with_scalar finds; or a tensor, whose guess then misses)."""
         self.ops_left -= 1
         if self.ops_left < 0:
             return None
@@ -164,7 +164,7 @@ class _Chaining:
                 if norm is None:
                     return None
                 inputs.append(norm)
-            elif top:
+            elif top and prev is None:  # (an input with a gradient's edge is a tensor, not a number)
                 inputs.append(-1)
             else:
                 return None
