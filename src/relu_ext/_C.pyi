@@ -46,6 +46,10 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
     """Whether two CPU tensors of the same sizes and dtype hold the same bits, whatever their
     strides (save_compact's check of a concatenation's pieces). RuntimeError otherwise."""
 
+def bits_sum(t: Tensor) -> int:
+    """The sum of a dense CPU tensor's bytes as 64-bit words from its first element, modulo 2**64, as
+    an int64 (the fingerprint of a remade tensor's rebuild). RuntimeError for another tensor."""
+
 def output_strides(name: str, x: Tensor) -> list[int]:
     """The strides of relu_ext::<name>(x)'s output: PyTorch's for its op (the
     fake kernels lay out their outputs so; symbolic while tracing)."""
