@@ -180,17 +180,18 @@ class _Chaining:
         if self.ops_left < 0 or read is None:
             return None
         shape, sources, rstd = read
+        at_once = Deferred.at_once(rstd)
+        if not at_once and self.steps_norm is not None:
+            return None
         probe = _eps_probes(shape, sources, rstd)
-        if Deferred.at_once(rstd):
+        if at_once:
             hits = Deferred(probe).ints()
             if 1 not in hits:
                 return None
             norm = LayerNormOf(shape, LAYER_NORM_EPS[hits.index(1)])
-        elif self.steps_norm is None:
+        else:
             norm = self.steps_norm = LayerNormOf(shape)
             self.probe = probe
-        else:
-            return None
         return Chain(norm, tuple(None if s is None else self.index(s) for s in sources))
 
     def index(self, source: Tensor | _Shared) -> int:
