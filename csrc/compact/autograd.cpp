@@ -13,34 +13,6 @@ namespace relu_ext {
 
 namespace ag = torch::autograd;
 
-// The typed handles the autograd kernels call the ops' CPU / CUDA kernels through.
-using CompactFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
-using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef);
-using CheckedExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, bool);
-using CompactCountFn = at::Tensor(const at::Tensor&, const at::Tensor&);
-using CompactIntoFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using NonzeroMaskFn = at::Tensor(const at::Tensor&);
-using BinaryMaskFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&);
-using BnTermsFn = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                                     const at::Tensor&, const at::Tensor&, bool, double, at::ScalarType);
-using OptTensor = std::optional<at::Tensor>;
-using BnActVerifyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
-                                 at::ArrayRef<double>, const at::Tensor&, const OptTensor&, const OptTensor&,
-                                 const OptTensor&);
-using BnActRebuildFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
-                                  at::ArrayRef<double>, const OptTensor&, const OptTensor&, const OptTensor&);
-
-RELU_EXT_OP_HANDLE(compact_op, "compact", CompactFn)
-RELU_EXT_OP_HANDLE(compact_count_op, "compact_count", CompactCountFn)
-RELU_EXT_OP_HANDLE(compact_into_op, "compact_into", CompactIntoFn)
-RELU_EXT_OP_HANDLE(expand_op, "expand", CheckedExpandFn)
-RELU_EXT_OP_HANDLE(nonzero_mask_op, "nonzero_mask", NonzeroMaskFn)
-RELU_EXT_OP_HANDLE(binary_mask_op, "binary_mask", BinaryMaskFn)
-RELU_EXT_OP_HANDLE(binary_expand_op, "binary_expand", ExpandFn)
-RELU_EXT_OP_HANDLE(bn_terms_op, "bn_terms", BnTermsFn)
-RELU_EXT_OP_HANDLE(bn_act_verify_op, "bn_act_verify", BnActVerifyFn)
-RELU_EXT_OP_HANDLE(bn_act_rebuild_op, "bn_act_rebuild", BnActRebuildFn)
-
 namespace {
 
 // The compaction ops store and restore saved tensors: not differentiable. The

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "activations/activations.h"
+#include "core/checks.h"
 
 namespace relu_ext {
 
@@ -93,5 +94,35 @@ void bn_act_cuda(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor&
                  const at::Tensor& alpha2, const at::Tensor& beta2, const std::string& act, c10::ArrayRef<double> args,
                  const at::Tensor& y, const at::Tensor& differ);
 #endif
+
+// Typed handles to the ops through the dispatcher: the autograd kernels call
+// the CPU / CUDA kernels through them, and relu_ext._C's host entries
+// (module.cpp) the ops themselves, without Python's op-call machinery.
+using CompactFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
+using ExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef);
+using CheckedExpandFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, bool);
+using CompactCountFn = at::Tensor(const at::Tensor&, const at::Tensor&);
+using CompactIntoFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using NonzeroMaskFn = at::Tensor(const at::Tensor&);
+using BinaryMaskFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&);
+using BnTermsFn = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                                     const at::Tensor&, const at::Tensor&, bool, double, at::ScalarType);
+using OptTensor = std::optional<at::Tensor>;
+using BnActVerifyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
+                                 at::ArrayRef<double>, const at::Tensor&, const OptTensor&, const OptTensor&,
+                                 const OptTensor&);
+using BnActRebuildFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
+                                  at::ArrayRef<double>, const OptTensor&, const OptTensor&, const OptTensor&);
+
+RELU_EXT_OP_HANDLE(compact_op, "compact", CompactFn)
+RELU_EXT_OP_HANDLE(compact_count_op, "compact_count", CompactCountFn)
+RELU_EXT_OP_HANDLE(compact_into_op, "compact_into", CompactIntoFn)
+RELU_EXT_OP_HANDLE(expand_op, "expand", CheckedExpandFn)
+RELU_EXT_OP_HANDLE(nonzero_mask_op, "nonzero_mask", NonzeroMaskFn)
+RELU_EXT_OP_HANDLE(binary_mask_op, "binary_mask", BinaryMaskFn)
+RELU_EXT_OP_HANDLE(binary_expand_op, "binary_expand", ExpandFn)
+RELU_EXT_OP_HANDLE(bn_terms_op, "bn_terms", BnTermsFn)
+RELU_EXT_OP_HANDLE(bn_act_verify_op, "bn_act_verify", BnActVerifyFn)
+RELU_EXT_OP_HANDLE(bn_act_rebuild_op, "bn_act_rebuild", BnActRebuildFn)
 
 }  // namespace relu_ext

@@ -188,6 +188,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("same_bits", &same_bits_cpu, pybind11::arg("a"), pybind11::arg("b"),
         "Whether two CPU tensors of the same sizes and dtype hold the same bits, whatever their strides.");
+  // save_compact's pack and unpack hooks call these once per saved tensor: the
+  // ops through the C++ dispatcher (every key they have, checks included),
+  // without Python's op-call machinery, which costs more than the kernels at
+  // small sizes.
+  m.def(
+      "compact_now",
+      [](const at::Tensor& y, const std::optional<at::Tensor>& mask) {
+        TORCH_CHECK_VALUE(y.device().is_cpu(), "relu_ext._C.compact_now: y is on ", y.device(),
+                          "; it reads compact's count of missed elements on the host, so it takes CPU tensors only");
+        const pybind11::gil_scoped_release no_gil;
+        if (mask.has_value()) {
+          auto [values, missed] = compact_op().call(y, *mask);
+          if (missed.item<int64_t>() == 0) return std::make_tuple(values, *mask, true);
+        }
+        at::Tensor own = nonzero_mask_op().call(y);
+        return std::make_tuple(std::get<0>(compact_op().call(y, own)), own, false);
+      },
+      pybind11::arg("y"), pybind11::arg("mask"),
+      "relu_ext::compact of CPU y by `mask` where that restores y (no other element is nonzero), else by "
+      "relu_ext::nonzero_mask(y): (values, the mask used, whether it is `mask`).");
+  m.def(
+      "expand",
+      [](const at::Tensor& values, const at::Tensor& mask, c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+        const pybind11::gil_scoped_release no_gil;
+        return expand_op().call(values, mask, size, stride, false);
+      },
+      pybind11::arg("values"), pybind11::arg("mask"), pybind11::arg("size"), pybind11::arg("stride"),
+      "relu_ext::expand(values, mask, size, stride, False): the tensor values and mask were compacted from.");
   m.def("bits_sum", &bits_sum_cpu, pybind11::arg("t"),
         "The sum of a dense CPU tensor's bytes as 64-bit words from its first element, modulo 2**64 (as an int64).");
   m.def(

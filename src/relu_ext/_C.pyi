@@ -3,7 +3,7 @@
 The ops themselves are reached as ``torch.ops.relu_ext.*``.
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
@@ -45,6 +45,15 @@ def act(name: str, input: Tensor, inplace: bool, a0: float, a1: float) -> Tensor
 def same_bits(a: Tensor, b: Tensor) -> bool:
     """Whether two CPU tensors of the same sizes and dtype hold the same bits, whatever their
     strides (save_compact's check of a concatenation's pieces). RuntimeError otherwise."""
+
+def compact_now(y: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, bool]:
+    """relu_ext::compact of CPU `y` by `mask` where that restores `y`, else by relu_ext::nonzero_mask(y),
+    through the C++ dispatcher (save_compact's pack hook): (values, the mask used, whether it is
+    `mask`). ValueError for a tensor on another device; the ops' errors otherwise."""
+
+def expand(values: Tensor, mask: Tensor, size: Sequence[int], stride: Sequence[int]) -> Tensor:
+    """relu_ext::expand(values, mask, size, stride, False) through the C++ dispatcher (save_compact's
+    unpack hook): the tensor `values` and `mask` were compacted from, laid out as size / stride."""
 
 def bits_sum(t: Tensor) -> int:
     """The sum of a dense CPU tensor's bytes as 64-bit words from its first element, modulo 2**64, as

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import relu_ext
 from relu_ext import _C, compact
 from relu_ext.compact import forms, hooks
-from conftest import DEVICES, adversarial, assert_bitwise_equal, assert_same_step, train_step
+from conftest import DEVICES, DTYPES, INT_OF, adversarial, assert_bitwise_equal, assert_same_step, train_step
 
 pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
 
@@ -242,17 +242,8 @@ def test_compacted_once_when_saved_by_several_nodes(relu, monkeypatch):
         z = conv(y) + conv(y)  # and twice more
     assert len(made) == 1 and isinstance(made[0], compact.Compacted)
     expands = []
-    real_ops = forms._ops
-
-    class CountingOps:
-        compact, nonzero_mask = real_ops.compact, real_ops.nonzero_mask
-
-        @staticmethod
-        def expand(*args: Any) -> torch.Tensor:
-            expands.append(args)
-            return real_ops.expand(*args)
-
-    monkeypatch.setattr(forms, "_ops", CountingOps)
+    real_expand = forms._C.expand
+    monkeypatch.setattr(forms._C, "expand", lambda *args: expands.append(args) or real_expand(*args))
     grads = torch.autograd.grad(z.sum(), [x, conv.weight])
     # Expanded once for all its nodes, and not kept once the last has unpacked it.
     assert len(expands) == 1 and made[0].restored is None and made[0].pending == 0
@@ -407,6 +398,33 @@ def test_same_bits(dtype):
         _C.same_bits(a, b.view(torch.uint8) if dtype.itemsize == 1 and dtype != torch.uint8 else b.to(torch.int32))
     with pytest.raises(RuntimeError, match="strided CPU tensors only"):
         _C.same_bits(a.to("meta"), b.to("meta"))
+
+
+def test_compact_now_and_expand():
+    """_C.compact_now and _C.expand (the hooks' entries to the ops, without torch.ops), in four dtypes:
+    by the mask given where it restores the tensor, else by the tensor's own bitmap; the tensor back
+    bit for bit, in its layout (NaN payloads, -0.0, denormals); the ops' errors for bad input."""
+    ops = torch.ops.relu_ext
+    for dtype in DTYPES:
+        x = adversarial(6 * 50 * 7 * 9, dtype).view(6, 50, 7, 9).contiguous(memory_format=torch.channels_last)
+        y = torch.where(x > 0, x, torch.zeros_like(x))  # (a ReLU's output: +0.0 where not above 0)
+        relu_mask = ops.nonzero_mask(y)
+        values, mask, shared = _C.compact_now(y, relu_mask)
+        assert shared and mask is relu_mask and values.numel() == int((y.view(INT_OF[dtype]) != 0).sum())
+        back = _C.expand(values, mask, y.size(), y.stride())
+        assert_bitwise_equal(back, y)
+        assert back.stride() == y.stride()
+        other = torch.relu(x[:, :1].expand_as(x)).contiguous(memory_format=torch.channels_last)
+        for given in (None, ops.nonzero_mask(other)):  # (x's -0.0, negatives, NaN: outside a ReLU's mask)
+            values, mask, shared = _C.compact_now(x, given)
+            assert not shared and torch.equal(mask, ops.nonzero_mask(x))
+            assert_bitwise_equal(_C.expand(values, mask, x.size(), x.stride()), x)
+        with pytest.raises(ValueError, match="CPU tensors only"):
+            _C.compact_now(y.to("meta"), None)
+        with pytest.raises(RuntimeError, match="need a contiguous 1-D mask"):
+            _C.expand(values, mask[1:], x.size(), x.stride())
+        with pytest.raises(RuntimeError, match="not a dense layout"):
+            _C.expand(values, mask, x.size(), (0, 0, 0, 0))
 
 
 # --- integer tensors (max-pool indices): narrowed ----------------------------------------

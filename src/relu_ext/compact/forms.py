@@ -197,20 +197,20 @@ class Compacted(_Shared):
         super().__init__(t, 0)
         y = t.detach()
         self.shared = mask is not None
-        self.mask = mask if mask is not None else _ops.nonzero_mask(y)
         self.limit = limit  # the most bytes it may hold
         self.values: Tensor | None = None
-        self.ends: Tensor | None = None if Deferred.at_once(y) else _ops.compact_count(y, self.mask)
+        self.ends: Tensor | None = None
         self.size, self.stride = y.size(), y.stride()
+        if Deferred.at_once(y):
+            self.mask = mask  # (None: now() makes the bitmap)
+        else:
+            self.mask = mask if mask is not None else _ops.nonzero_mask(y)
+            self.ends = _ops.compact_count(y, self.mask)
 
     def now(self, t: Tensor) -> bool:
-        """Compact `t` at once (where Deferred.at_once: no count made): whether that saves enough."""
-        y = t.detach()
-        values, missed = _ops.compact(y, self.mask)
-        if self.shared and Deferred(missed).flag():
-            # Its node's mask does not restore it: its own bitmap.
-            self.shared, self.mask = False, _ops.nonzero_mask(y)
-            values, _ = _ops.compact(y, self.mask)
+        """Compact `t` at once (where Deferred.at_once: no count made), by its node's mask where that
+        restores it, else by its own bitmap: whether that saves enough."""
+        values, self.mask, self.shared = _C.compact_now(t.detach(), self.mask)
         cost = values.nbytes + (0 if self.shared else self.mask.nbytes)
         if cost > self.limit:
             return False
@@ -249,7 +249,7 @@ class Compacted(_Shared):
 
     def rebuild(self) -> Tensor:
         """The saved tensor, bit for bit, in its own layout (values sized from this mask's count)."""
-        return _ops.expand(self.values, self.mask, self.size, self.stride, False)
+        return _C.expand(self.values, self.mask, self.size, self.stride)
 
     def _held(self) -> tuple[Tensor, ...]:
         """The tensors this keeps alive (for memory accounting)."""
