@@ -83,7 +83,7 @@ class Deferred:
     def at_once(t: Tensor) -> bool:
         """Whether a value on `t`'s device reaches the host as soon as it is made (on the CPU, unless a
         test stands in events): then a form may be made in one step where it needs a value read back."""
-        return t.device.type == "cpu" and Deferred.stand_in is None
+        return t.is_cpu and Deferred.stand_in is None
 
     def done(self) -> bool:
         """Whether the value has reached the host (never blocks)."""
