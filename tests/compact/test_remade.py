@@ -6,6 +6,7 @@ changes after the forward, and on transformers' own models."""
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from typing import Any, Callable
@@ -15,7 +16,7 @@ import torch
 
 import relu_ext
 from conftest import adversarial, assert_bitwise_equal
-from relu_ext.compact import forms, graph
+from relu_ext.compact import forms, graph, recipes
 
 pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
 
@@ -322,6 +323,71 @@ def test_a_cast_of_a_layer_norm_output_is_remade_through_the_layer_norm(eps, vie
     sc = relu_ext.save_compact()
     got = _grads(f, params, sc)
     assert sc.remade_by_op == {"_to_copy": 2 if eps == 1e-5 else 1}, sc.report()
+    _assert_same(got, want)
+
+
+@pytest.mark.quick(cover=())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_casts_of_one_tensor_are_remade_once_as_twins(dtype, norm):
+    """Under autocast, attention's q, k and v Linears each cast the same normalized tensor again, which no
+    node keeps: the first cast is remade through the norm (its chain run when saved and in backward);
+    the other two are its twins: compared with its value when saved, and rebuilt from its rebuild, so
+    the chain runs once each way, not three times. Gradients PyTorch's, with specials in some rows."""
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(256, 64) for _ in range(3))
+    weight = torch.nn.Parameter(torch.rand(256))
+    layer = torch.nn.LayerNorm(256)
+    x = torch.randn(4, 32, 256) * 3 + 1
+    x[1, :2] = adversarial(2 * 256, torch.float32).view(2, 256)
+    x.requires_grad_()
+    params = [x, q.weight, v.weight, weight if norm == "rms" else layer.weight]
+
+    def f(*_: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype):
+            h = _rms_norm(x, weight) if norm == "rms" else layer(x)
+            return (q(h) * k(h) + v(h)).float().nan_to_num().sum()
+
+    want = _grads(f, params)
+    ran: list[str | None] = []
+    sc = relu_ext.save_compact()
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (forms, recipes):
+            real = module.run_as_forward
+            patch.setattr(module, "run_as_forward", lambda op, *a, real=real: ran.append(forms._op_name(op)) or real(op, *a))
+        got = _grads(f, params, sc)
+    # (three weights' casts, three of h; RMSNorm's normalized tensor, kept by the weight's mul, too)
+    assert sc.remade_by_op == {"_to_copy": 6, **({"mul": 1} if norm == "rms" else {})}, sc.report()
+    # Each way: the three weights' casts from the parameters, h's cast through its chain, two twins.
+    # (RMSNorm's normalized tensor remade each way; the LayerNorm's eps probed once, five eps, for the first)
+    also = {"mul": 2} if norm == "rms" else {None: len(forms.LAYER_NORM_EPS)}
+    assert collections.Counter(ran) == {"_to_copy": 8, "alias": 2, **also}, ran
+    _assert_same(got, want)
+
+
+def test_a_layer_norm_is_probed_once_for_the_chains_through_it():
+    """Under autocast, two Linears keep casts of two ops of one LayerNorm's output (no twins): each is
+    remade through the LayerNorm, whose eps is probed for the first and noted on its node for the
+    second. Gradients PyTorch's."""
+    torch.manual_seed(0)
+    norm, lin = torch.nn.LayerNorm(256, eps=1e-12), torch.nn.Linear(256, 64)
+    x = (torch.randn(4, 32, 256) * 3 + 1).requires_grad_()
+    params = [x, lin.weight, norm.weight]
+
+    def f(*_: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            h = norm(x)
+            return (lin(h * 0.5) * lin(h * 2.0)).float().sum()
+
+    want = _grads(f, params)
+    ran: list[str | None] = []
+    sc = relu_ext.save_compact()
+    with pytest.MonkeyPatch.context() as patch:
+        real = recipes.run_as_forward
+        patch.setattr(recipes, "run_as_forward", lambda op, *a: ran.append(forms._op_name(op)) or real(op, *a))
+        got = _grads(f, params, sc)
+    assert sc.remade_by_op == {"_to_copy": 3}, sc.report()  # (the weight's cast; the two products')
+    assert ran.count(None) == len(forms.LAYER_NORM_EPS), ran  # (one probe of every eps)
     _assert_same(got, want)
 
 

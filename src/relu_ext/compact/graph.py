@@ -192,6 +192,19 @@ def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool] | None:
     return op, saved, entry.by_split
 
 
+def _node_key(fn: Any) -> tuple[Any, ...] | None:
+    """Node `fn` of _REMAKE as what its output is made of: its name, its inputs' nodes (compared by
+    identity: the key holds them, so a node keeps its Python object) and output numbers, and its other
+    arguments; None where an input has no node (a tensor that needs no gradient, a number: other values
+    could stand there). Checked on torch 2.11 and 2.15.0."""
+    name = fn.name()
+    entry = _REMAKE[name]
+    edges = fn.next_functions
+    if len(edges) != len(entry.inputs) or any(node is None for node, _ in edges):
+        return None
+    return name, edges, tuple(getattr(fn, f"_saved_{arg}") for arg in entry.args)
+
+
 def _signed(value: Any) -> Any:
     """An argument a node kept, with dimensions as the op takes them: a node keeps a dimension, or a
     list of them, as unsigned integers (-1 as 2**64 - 1)."""
@@ -282,6 +295,23 @@ def _note_kept(t: Tensor, packed: Any) -> None:
     """Note on `t`'s node what this context saved for `t` (see _kept).
     Checked on torch 2.11, 2.14.1 and 2.15.0."""
     t.grad_fn.metadata.setdefault(_KEPT, {})[t.output_nr] = weakref.ref(packed)
+
+
+# Node metadata key: the eps a LayerNorm node's rstd was found to have been made with (recipes'
+# chains through it: a second chain through the same node, the cast of its output for another
+# Linear, probes no more).
+_EPS = "relu_ext.save_compact.eps"
+
+
+def _note_eps(fn: Any, eps: float) -> None:
+    """Note on LayerNorm node `fn` the eps its rstd was found to have been made with.
+    Checked on torch 2.11 and 2.15.0."""
+    fn.metadata[_EPS] = eps
+
+
+def _noted_eps(fn: Any) -> float | None:
+    """What _note_eps noted on node `fn`, else None. Checked on torch 2.11 and 2.15.0."""
+    return fn.metadata.get(_EPS)
 
 
 def _kept(fn: Any, output_nr: int) -> Any:

@@ -23,8 +23,8 @@ from .forms import (LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf,
                     TwoValued, _Dense, _gathered, _Shared, run_as_forward)
 from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
                     _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs,
-                    _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _raw_saved,
-                    _relu_ext_mask, _remake_of, _Saved)
+                    _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _node_key,
+                    _note_eps, _noted_eps, _raw_saved, _relu_ext_mask, _remake_of, _Saved)
 
 _ops = torch.ops.relu_ext
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
@@ -183,15 +183,18 @@ class _Chaining:
         at_once = Deferred.at_once(rstd)
         if not at_once and self.steps_norm is not None:
             return None
-        probe = _eps_probes(shape, sources, rstd)
         if at_once:
-            hits = Deferred(probe).ints()
-            if 1 not in hits:
-                return None
-            norm = LayerNormOf(shape, LAYER_NORM_EPS[hits.index(1)])
+            eps = _noted_eps(fn)
+            if eps is None:
+                hits = Deferred(_eps_probes(shape, sources, rstd)).ints()
+                if 1 not in hits:
+                    return None
+                eps = LAYER_NORM_EPS[hits.index(1)]
+                _note_eps(fn, eps)
+            norm = LayerNormOf(shape, eps)
         else:
             norm = self.steps_norm = LayerNormOf(shape)
-            self.probe = probe
+            self.probe = _eps_probes(shape, sources, rstd)
         return Chain(norm, tuple(None if s is None else self.index(s) for s in sources))
 
     def index(self, source: Tensor | _Shared) -> int:
@@ -212,6 +215,10 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
     inputs where the graph keeps none (a chain: GPT-2's tanh of a polynomial of its input), run again
     on inputs the graph keeps: where they give `t`'s dtype, shape and strides. An add of a Python
     number (``1.0 + tanh(x)``), which its node does not keep, has it found (_with_scalar)."""
+    key = _node_key(t.grad_fn)
+    twin = None if key is None else packer.recent.twin(key)
+    if twin is not None:
+        return _twin(t, twin, key, packer)
     found = _Chaining(packer)
     chain = found.chain(t.grad_fn)
     if chain is None:
@@ -233,8 +240,27 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
         return None
     form = Remade(t, chain, found.sources, found.by_split, own)
     flag = _same_bits_later([(now, t.detach())])
-    packer.recent.remember(form, now)
+    packer.recent.remember(form, now, None if own else key)
     return Made(form, flag)
+
+
+# A twin's op: its twin's value as it is (a view of it).
+_AS_TWIN = Chain(torch.ops.aten.alias.default, (0,))
+
+
+def _twin(t: Tensor, twin: Remade, key: tuple[Any, ...], packer: Packing) -> Made | None:
+    """`t`, made by the same op from the same inputs as `twin`, a recent remade form (_node_key: under
+    autocast, each of attention's q, k and v Linears casts the same LayerNorm output again), as that
+    form's value: not run again when saved (its value as verified is compared with `t`: the check
+    makes it exact, however the twin was found), nor in backward (the twin's rebuild is kept for its
+    own unpack, which comes with this one's)."""
+    now = twin.recent
+    if now is None or not twin.fresh() or not _like(now, t) or now.device != t.device:
+        return None
+    form = Remade(t, _AS_TWIN, [twin])
+    form.op_name = twin.op_name
+    packer.recent.remember(form, now, key)
+    return Made(form, _same_bits_later([(now, t.detach())]))
 
 
 class Recent:
@@ -242,23 +268,34 @@ class Recent:
     until `size` later forms do, or forget() (the pack hook's, at a tensor of an op outside the table,
     and at the exit). A form made of them in the same chain of ops (GPT-2's ``1.0 + tanh``, then their
     product) reads them instead of running their ops again: values the forward had just made and
-    eager PyTorch held too."""
+    eager PyTorch held too; a form made by the same ops from the same inputs is their twin (_twin)."""
 
     def __init__(self, size: int = 3) -> None:
         self.size = size
         self.forms: deque[Remade] = deque()
+        self.keys: deque[tuple[Any, ...] | None] = deque()  # (each form's _node_key)
 
-    def remember(self, form: Remade, value: Tensor) -> None:
-        """Let `form` hold `value`, its value."""
+    def remember(self, form: Remade, value: Tensor, key: tuple[Any, ...] | None) -> None:
+        """Let `form`, made as `key` says (None: no twin may read it), hold `value`, its value."""
         form.recent = value
         self.forms.append(form)
+        self.keys.append(key)
         if len(self.forms) > self.size:
             self.forms.popleft().recent = None
+            self.keys.popleft()
+
+    def twin(self, key: tuple[Any, ...]) -> Remade | None:
+        """The newest form held that was made as `key` says, if any (see _twin)."""
+        for form, known in zip(reversed(self.forms), reversed(self.keys)):
+            if known == key:
+                return form
+        return None
 
     def forget(self) -> None:
         """Drop every value held."""
         while self.forms:
             self.forms.popleft().recent = None
+        self.keys.clear()
 
 
 # The elements among which _with_scalar reads the number an add was given.
