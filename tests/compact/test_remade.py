@@ -365,6 +365,41 @@ def test_casts_of_one_tensor_are_remade_once_as_twins(dtype, norm):
     _assert_same(got, want)
 
 
+def test_a_twin_of_a_form_that_missed_is_the_tensor_it_keeps():
+    """The first cast's check misses (its remade value made wrong here): it keeps its tensor, and its
+    twins are checked against that tensor, which they are rebuilt as. Gradients PyTorch's."""
+    torch.manual_seed(0)
+    q, k = torch.nn.Linear(256, 64), torch.nn.Linear(256, 64)
+    norm = torch.nn.LayerNorm(256)
+    x = (torch.randn(4, 32, 256) * 3 + 1).requires_grad_()
+    params = [x, q.weight, k.weight, norm.weight]
+
+    def f(*_: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            h = norm(x)
+            return (q(h) * k(h)).float().sum()
+
+    want = _grads(f, params)
+    sc = relu_ext.save_compact()
+    with pytest.MonkeyPatch.context() as patch:
+        real = recipes.run_as_forward
+
+        def wrong_once(op: Any, args: list[Any]) -> torch.Tensor:
+            out = real(op, args)
+            if forms._op_name(op) == "_to_copy" and out.dim() == 3 and not ran:
+                ran.append(op)
+                out = out.clone()
+                out.view(-1)[7] += 1  # (a value the check sees is not the tensor's)
+            return out
+
+        ran: list[Any] = []
+        patch.setattr(recipes, "run_as_forward", wrong_once)
+        got = _grads(f, params, sc)
+    assert ran and "_to_copy 3 (128.00 KiB, 1 missed)" in sc.report(), sc.report()
+    assert sc.remade_by_op == {"_to_copy": 3}, sc.report()  # (two weights' casts, the twin)
+    _assert_same(got, want)
+
+
 def test_a_layer_norm_is_probed_once_for_the_chains_through_it():
     """Under autocast, two Linears keep casts of two ops of one LayerNorm's output (no twins): each is
     remade through the LayerNorm, whose eps is probed for the first and noted on its node for the

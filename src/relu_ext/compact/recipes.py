@@ -251,16 +251,17 @@ _AS_TWIN = Chain(torch.ops.aten.alias.default, (0,))
 def _twin(t: Tensor, twin: Remade, key: tuple[Any, ...], packer: Packing) -> Made | None:
     """`t`, made by the same op from the same inputs as `twin`, a recent remade form (_node_key: under
     autocast, each of attention's q, k and v Linears casts the same LayerNorm output again), as that
-    form's value: not run again when saved (its value as verified is compared with `t`: the check
-    makes it exact, however the twin was found), nor in backward (the twin's rebuild is kept for its
-    own unpack, which comes with this one's)."""
-    now = twin.recent
-    if now is None or not twin.fresh() or not _like(now, t) or now.device != t.device:
+    form: not run again when saved, nor in backward, where the twin's rebuild (or the tensor it holds
+    where its check missed), kept for its own unpack, serves this one's. Checked against what the twin
+    gives back: the tensor it holds while its check is out or after it missed, else its value as
+    verified: exact however the twin was found."""
+    first = twin.whole.tensor if twin.whole is not None else twin.recent
+    if first is None or not twin.fresh() or not _like(first, t) or first.device != t.device:
         return None
     form = Remade(t, _AS_TWIN, [twin])
     form.op_name = twin.op_name
-    packer.recent.remember(form, now, key)
-    return Made(form, _same_bits_later([(now, t.detach())]))
+    packer.recent.remember(form, t.detach(), key)
+    return Made(form, _same_bits_later([(first.detach(), t.detach())]))
 
 
 class Recent:
