@@ -407,6 +407,32 @@ def test_residual_blocks_replay(act, dtype, monkeypatch):
     assert isinstance(b5.x2, compact.Compacted if relu else (compact.Compacted, torch.Tensor)), type(b5.x2)
 
 
+def test_a_recipe_verifies_with_its_identity_as_the_forward_holds_it():
+    """A block's replay reads the block before it (replayed, or compacted) as its identity: verified
+    with that tensor itself while the forward holds it unchanged, no pass to rebuild it; rebuilt in
+    backward only. Bitwise the same step."""
+    model = _Residual(NETS["nn.ReLU"], torch.float32).train()
+    x = torch.randn(4, 3, 32, 32)
+    rebuilt: list[str] = []
+    real_expand = forms._C.expand
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            op = getattr(torch.ops.relu_ext, name)
+            return (lambda *a: rebuilt.append("replay") or op(*a)) if name == "bn_act_rebuild" else op
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(forms, "_ops", Spy())
+        patch.setattr(forms._C, "expand", lambda *a: rebuilt.append("expand") or real_expand(*a))
+        sc = relu_ext.save_compact()
+        with sc:
+            loss = model(x).sum()
+        assert rebuilt == [] and sc.replayed == 5, sc.report()
+        loss.backward()
+        assert rebuilt.count("replay") >= 5 and "expand" in rebuilt, rebuilt
+    assert_same_step(train_step(model, x, relu_ext.save_compact()), train_step(model, x, contextlib.nullcontext()))
+
+
 class _DenseBlocks(torch.nn.Module):
     """Dense blocks as torchvision's DenseNet builds them: each layer concatenates the block's input
     and every earlier layer's output, then BatchNorm -> activation -> conv; then the block's whole

@@ -134,9 +134,14 @@ class _Shared:
 
     def live(self) -> Tensor:
         """The saved tensor while packing, to verify a recipe that reads this with: what is held
-        now, else rebuilt from what its sources hold now; nothing is kept for backward."""
+        now; else, the form being exact, the tensor itself while the forward still holds it
+        unchanged (a residual block's input, read by its output's recipe: no pass to rebuild it);
+        else rebuilt from what its sources hold now; nothing is kept for backward."""
         if self.whole is not None:
             return self.whole.restore()
+        t = self.saved()
+        if t is not None and t._version == self.saved_version:
+            return t.detach()
         if self.stream is not None:
             STREAMS.after(self.stream, self._reads())
         return self._live()
