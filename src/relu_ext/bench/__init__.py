@@ -27,8 +27,10 @@ Sections (--what):
            models (torchvision resnet18, resnet50, vgg11, googlenet,
            densenet121, mobilenet_v2, a darknet-style CNN, transformers' T5
            with ReLU, OPT, BERT, GPT-2, Llama and Gemma (2 layers of 256,
-           4x256 tokens) and timm's vit_tiny_patch16_224, random weights,
-           training mode; --quick: resnet18 and T5 at toy sizes) under five
+           4x256 tokens), timm's vit_tiny_patch16_224 and mlp50 (50 x
+           Linear(64, 64) -> ReLU, 128 rows: the hooks' own host time),
+           random weights, training mode; --quick: resnet18 and T5 at toy
+           sizes, and mlp50) under five
            configurations, nn.ReLU, install (relu_ext.install()),
            install+compact (and relu_ext.save_compact(recompute=False)),
            install+recompute (and relu_ext.save_compact()) and

@@ -44,8 +44,10 @@ from . import checkpointing, models, peers, timing
 # transformers' decoders and encoders, from their configs (transformer()): ReLU (OPT, T5) and not.
 TRANSFORMERS = ["opt", "bert", "gpt2", "llama", "gemma"]
 MODELS = ["resnet18", "resnet50", "vgg11", "googlenet", "densenet121", "mobilenet_v2", "darknet", "t5_relu",
-          *TRANSFORMERS, "vit_tiny"]
-QUICK_MODELS = ["resnet18", "t5_relu"]  # --quick: one CNN, one transformer, at toy sizes
+          *TRANSFORMERS, "vit_tiny", "mlp50"]
+# --quick: one CNN, one transformer, at toy sizes; and mlp50, whose saved tensors are small enough that
+# save_compact()'s host time per tensor is its hooks' own cost, not their kernels'.
+QUICK_MODELS = ["resnet18", "t5_relu", "mlp50"]
 # Variants of TRANSFORMERS, named "<model>@<variant>" (--models): the float32 model run under bfloat16
 # autocast, and with eager attention (transformers' own softmax and matmuls) where the others use SDPA.
 VARIANTS = ("autocast", "eager")
@@ -54,10 +56,11 @@ CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReL
 # What users pick instead of save_compact(): torch.compile, and op-level selective checkpointing (eager).
 COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext", "sac nn.ReLU"]
 # The package each built-in model needs beyond torch (None: built here); the others need torchvision.
-NEEDS = {"darknet": None, "t5_relu": "transformers", **dict.fromkeys(TRANSFORMERS, "transformers"), "vit_tiny": "timm"}
-# Images per batch at 112x112 (64x64 with --quick): what this 2-core machine steps through in about a second.
+NEEDS = {"darknet": None, "mlp50": None, "t5_relu": "transformers", **dict.fromkeys(TRANSFORMERS, "transformers"), "vit_tiny": "timm"}
+# Images (tokens: rows of 256 or 128; mlp50: rows of 64) per batch at 112x112 (64x64 with --quick): what this
+# 2-core machine steps through in about a second (mlp50: its hooks' cost).
 BATCH = {"resnet18": 16, "resnet50": 8, "vgg11": 8, "googlenet": 16, "densenet121": 8, "mobilenet_v2": 16,
-         "darknet": 16, "t5_relu": 8, **dict.fromkeys(TRANSFORMERS, 4), "vit_tiny": 8}
+         "darknet": 16, "t5_relu": 8, **dict.fromkeys(TRANSFORMERS, 4), "vit_tiny": 8, "mlp50": 128}
 
 
 class UserModelError(ValueError):
@@ -194,6 +197,9 @@ def build(name: str, dtype: torch.dtype, device: str, quick: bool,
         side = 64 if quick else 224
         model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=side)
         inputs = torch.randn(2 if quick else BATCH[name], 3, side, side, dtype=dtype, device=device)
+    elif name == "mlp50":  # 50 x (Linear(64, 64) -> ReLU): 149 small saved tensors a step
+        model = nn.Sequential(*(m for _ in range(50) for m in (nn.Linear(64, 64), nn.ReLU())))
+        inputs = torch.randn(BATCH[name], 64, dtype=dtype, device=device)
     elif name == "darknet":
         model = darknet(16 if quick else 32)
         batch, side = (2, 64) if quick else (BATCH[name], 112)
@@ -262,8 +268,8 @@ class Autocast(nn.Module):
 
 
 def describe(name: str, inputs: Any) -> str:
-    """The input, for the table: batch x 3 x side^2, batch x tokens, or a user model's whole shape."""
-    if is_user_model(name):
+    """The input, for the table: batch x 3 x side^2, batch x tokens, or a user model's (mlp50's) whole shape."""
+    if is_user_model(name) or name == "mlp50":
         return "x".join(map(str, inputs.shape))
     if isinstance(inputs, dict):
         b, n = inputs["input_ids"].shape
