@@ -418,12 +418,44 @@ def test_a_layer_norm_is_probed_once_for_the_chains_through_it():
     ran: list[str | None] = []
     sc = relu_ext.save_compact()
     with pytest.MonkeyPatch.context() as patch:
-        real = recipes.run_as_forward
-        patch.setattr(recipes, "run_as_forward", lambda op, *a: ran.append(forms._op_name(op)) or real(op, *a))
+        for module in (forms, recipes):
+            real = module.run_as_forward
+            patch.setattr(module, "run_as_forward", lambda op, *a, real=real: ran.append(forms._op_name(op)) or real(op, *a))
         got = _grads(f, params, sc)
     assert sc.remade_by_op == {"_to_copy": 3}, sc.report()  # (the weight's cast; the two products')
     assert ran.count(None) == len(forms.LAYER_NORM_EPS), ran  # (one probe of every eps)
     _assert_same(got, want)
+
+
+def test_a_layer_norm_output_is_remade_with_its_weights_last_eps():
+    """A LayerNorm's output, step after step: the first step probes which eps gives its rstd; the next
+    tries the eps its weight's last output had, on the whole tensor, and probes nothing; after the
+    module's eps changes, that guess misses and the probe runs again: remade every step, gradients
+    PyTorch's."""
+    forms.EPS_BY_WEIGHT.eps.clear()
+    torch.manual_seed(0)
+    norm, lin = torch.nn.LayerNorm(256, eps=1e-12), torch.nn.Linear(256, 64)
+    x = (torch.randn(4, 32, 256) * 3 + 1).requires_grad_()
+    params = [x, lin.weight, norm.weight]
+
+    def f(*_: torch.Tensor) -> torch.Tensor:
+        return lin(norm(x)).square().sum()
+
+    probes = []
+    for eps in (1e-12, 1e-12, 1e-5):
+        norm.eps = eps
+        want = _grads(f, params)
+        ran: list[Any] = []
+        sc = relu_ext.save_compact()
+        with pytest.MonkeyPatch.context() as patch:
+            real = forms.run_as_forward
+            patch.setattr(forms, "run_as_forward", lambda op, *a: ran.append(op) or real(op, *a))
+            got = _grads(f, params, sc)
+        assert sc.remade_by_op == {"layer_norm": 1}, sc.report()
+        _assert_same(got, want)
+        probes.append(sum(isinstance(op, forms.LayerNormOf) and op.output == 2 for op in ran))  # (rstd: a probe)
+    n = len(forms.LAYER_NORM_EPS)
+    assert probes == [n, 0, n], probes
 
 
 def test_an_eps_that_matches_the_probe_alone_is_not_taken():

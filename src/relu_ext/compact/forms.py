@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from .bits import _bools_of, _same_bits_later
+from .bits import _INTS, _bools_of, _same_bits_later
 from .deferred import Deferred
 from .graph import _inputs
 from .streams import STREAMS
@@ -657,6 +657,45 @@ class Remade(_Shared):
 LAYER_NORM_EPS = (1e-5, 1e-6, 1e-12, 1e-8, 1e-7)
 
 
+class EpsByWeight:
+    """The eps each LayerNorm weight's outputs were last found to be made with, by the weight's memory (a
+    parameter stays where it is from step to step): the eps a RemadeNorm tries first for the weight's
+    next output, without the probe of every eps (about twenty small ops). A guess, which the form's
+    check confirms; one that misses is forgotten (the next output probes again)."""
+
+    # The most weights remembered (past it, all are forgotten: models come and go in one process).
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self.eps: dict[tuple[Any, ...], float] = {}
+
+    @staticmethod
+    def _key(weight: Tensor | _Shared | None) -> tuple[Any, ...] | None:
+        return None if not isinstance(weight, Tensor) else (weight.data_ptr(), weight.shape, weight.dtype, weight.device)
+
+    def get(self, weight: Tensor | _Shared | None) -> float | None:
+        """The eps noted for `weight`'s LayerNorm, else None."""
+        key = self._key(weight)
+        return None if key is None else self.eps.get(key)
+
+    def note(self, weight: Tensor | _Shared | None, eps: float) -> None:
+        """Note that `weight`'s LayerNorm made an output with `eps`."""
+        key = self._key(weight)
+        if key is not None:
+            if len(self.eps) >= self.LIMIT:
+                self.eps.clear()
+            self.eps[key] = eps
+
+    def forget(self, weight: Tensor | _Shared | None) -> None:
+        """Forget what was noted for `weight` (an eps tried for it missed)."""
+        key = self._key(weight)
+        if key is not None:
+            self.eps.pop(key, None)
+
+
+EPS_BY_WEIGHT = EpsByWeight()
+
+
 class LayerNormOf:
     """PyTorch's LayerNorm as an op of its input, weight and bias (a chain's op, or a RemadeNorm's): its
     `output` (0: the output; 2: rstd), with `eps` (None until a RemadeNorm's steps set it)."""
@@ -681,22 +720,35 @@ class RemadeNorm(Remade):
     bfloat16 several may give that rstd). A LayerNorm computes each row on its own, so its bits do not
     depend on how the rows are split among threads."""
 
-    __slots__ = ("norm", "untried")
+    __slots__ = ("norm", "untried", "rstd")
 
     def __init__(self, t: Tensor, op: Any, sources: list[Tensor | _Shared | None], norm: LayerNormOf,
-                 by_split: bool = False) -> None:
+                 by_split: bool = False, rstd: Tensor | None = None) -> None:
         super().__init__(t, op, sources, by_split)
         self.norm = norm
         if op is norm:
             self.op_name = "layer_norm"
         self.untried: list[float] | None = None  # (None: the probe's check is not back)
+        # Given (a LayerNorm output whose weight's last output was remade): its node's rstd, for the
+        # probe it falls back to where that output's eps (norm.eps, tried first) misses.
+        self.rstd = rstd
+        if rstd is not None:
+            self.untried = []
 
     def _step(self, check: Deferred) -> bool | str | Deferred:
-        """The next step once `check` is back (see _Shared.checked): the next eps to try, or done."""
+        """The next step once `check` is back (see _Shared.checked): the next eps to try, or done. (A
+        LayerNorm output's own form, made with the eps its weight's last output had, starts with that
+        eps tried on the whole tensor and nothing untried.)"""
         if self.untried is None:  # the probe is back: the eps that give the node's rstd there
             self.untried = [eps for eps, hit in zip(LAYER_NORM_EPS, check.ints()) if hit]
         elif check.flag():  # an eps gives the output
+            if self.op is self.norm:
+                EPS_BY_WEIGHT.note(self.sources[1], self.norm.eps)
             return True
+        elif self.rstd is not None:  # the weight's last eps missed: forgotten, and the probe as for any
+            EPS_BY_WEIGHT.forget(self.sources[1])
+            rstd, self.rstd, self.untried = self.rstd, None, None
+            return Deferred(_eps_probes(self.norm.shape, list(self.sources), rstd))
         assert self.whole is not None
         if not self.untried or not self.whole.unchanged():
             return self.missed_as
@@ -705,6 +757,19 @@ class RemadeNorm(Remade):
         if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride():
             return self.missed_as
         return Deferred(_same_bits_later([(now, t)]))
+
+
+def _eps_probes(shape: tuple[int, ...], sources: list[Tensor | _Shared | None], rstd: Tensor) -> Tensor:
+    """Which eps of LAYER_NORM_EPS give a LayerNorm's rstd on the row with the largest (where eps weighs
+    most; a LayerNorm of that row alone is that row's): a bool tensor on its device, not read."""
+    x, weight, bias = (s.live() if isinstance(s, _Shared) else s for s in sources)
+    rstd = rstd.reshape(-1)
+    at = torch.where(rstd.isnan(), torch.zeros_like(rstd), rstd).argmax().reshape(1)
+    row = x.reshape(-1, *shape).index_select(0, at)
+    probes = torch.cat([run_as_forward(LayerNormOf(shape, eps, output=2), [row, weight, bias]).reshape(1)
+                        for eps in LAYER_NORM_EPS])
+    bits = _INTS[rstd.element_size()]
+    return probes.view(bits).eq(rstd.index_select(0, at).view(bits))
 
 
 def _op_name(op: Any) -> str | None:

@@ -17,10 +17,10 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from .bits import _INTS, _bool_bits, _is_dense, _same_bits_later
+from .bits import _bool_bits, _is_dense, _same_bits_later
 from .deferred import Deferred
-from .forms import (LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade, RemadeNorm, Replayed,
-                    TwoValued, _Dense, _gathered, _Shared, run_as_forward)
+from .forms import (EPS_BY_WEIGHT, LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade,
+                    RemadeNorm, Replayed, TwoValued, _Dense, _eps_probes, _gathered, _Shared, run_as_forward)
 from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
                     _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs,
                     _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _node_key,
@@ -343,29 +343,24 @@ def _norm_sources(fn: Any, packer: Packing) -> tuple[tuple[int, ...], list[Tenso
     return shape, sources, rstd
 
 
-def _eps_probes(shape: tuple[int, ...], sources: list[Tensor | _Shared | None], rstd: Tensor) -> Tensor:
-    """Which eps of LAYER_NORM_EPS give a LayerNorm's rstd on the row with the largest (where eps weighs
-    most; a LayerNorm of that row alone is that row's): a bool tensor on its device, not read."""
-    x, weight, bias = (s.live() if isinstance(s, _Shared) else s for s in sources)
-    rstd = rstd.reshape(-1)
-    at = torch.where(rstd.isnan(), torch.zeros_like(rstd), rstd).argmax().reshape(1)
-    row = x.reshape(-1, *shape).index_select(0, at)
-    probes = torch.cat([run_as_forward(LayerNormOf(shape, eps, output=2), [row, weight, bias]).reshape(1)
-                        for eps in LAYER_NORM_EPS])
-    bits = _INTS[rstd.element_size()]
-    return probes.view(bits).eq(rstd.index_select(0, at).view(bits))
-
-
 def _layer_norm(t: Tensor, packer: Packing) -> Made | None:
     """`t` (a LayerNorm output) as PyTorch's LayerNorm of its input, weight and bias, which its node
     keeps, made in steps (RemadeNorm): checked first by which eps of LAYER_NORM_EPS gives its node's
-    rstd on the row with the largest (_eps_probes)."""
+    rstd on the row with the largest (_eps_probes); or, where its weight's last output was remade,
+    by that output's eps, on the whole tensor (EPS_BY_WEIGHT)."""
     read = _norm_sources(t.grad_fn, packer)
     if read is None:
         return None
     shape, sources, rstd = read
     norm = LayerNormOf(shape)
-    return Made(RemadeNorm(t, norm, sources, norm), _eps_probes(shape, sources, rstd))
+    norm.eps = EPS_BY_WEIGHT.get(sources[1])
+    if norm.eps is None:
+        return Made(RemadeNorm(t, norm, sources, norm), _eps_probes(shape, sources, rstd))
+    form = RemadeNorm(t, norm, sources, norm, rstd=rstd)  # (its weight's last eps first: RemadeNorm._step)
+    now = run_as_forward(norm, [s.live() if isinstance(s, _Shared) else s for s in sources])
+    if not _like(now, t):
+        return None
+    return Made(form, _same_bits_later([(now, t.detach())]))
 
 
 def _peek(saved: _Saved, unpack: Any) -> Tensor | None:
