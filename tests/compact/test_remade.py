@@ -34,6 +34,17 @@ def _grads(f: Callable[..., torch.Tensor], inputs: list[torch.Tensor], ctx: Any 
     return (loss.detach(), *torch.autograd.grad(loss, inputs))
 
 
+def _grads_and_ops(f: Callable[..., torch.Tensor], inputs: list[torch.Tensor], ctx: Any) -> tuple[tuple, list[Any]]:
+    """_grads under `ctx`, and the ops save_compact() ran meanwhile (run_as_forward's: checks when saved,
+    eps probes, rebuilds), in order."""
+    ran: list[Any] = []
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (forms, recipes):
+            real = module.run_as_forward
+            patch.setattr(module, "run_as_forward", lambda op, *a, real=real: ran.append(op) or real(op, *a))
+        return _grads(f, inputs, ctx), ran
+
+
 def _assert_same(got: tuple, want: tuple) -> None:
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert_bitwise_equal(a, b, f"output {i}")
@@ -349,13 +360,9 @@ def test_casts_of_one_tensor_are_remade_once_as_twins(dtype, norm):
             return (q(h) * k(h) + v(h)).float().nan_to_num().sum()
 
     want = _grads(f, params)
-    ran: list[str | None] = []
     sc = relu_ext.save_compact()
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (forms, recipes):
-            real = module.run_as_forward
-            patch.setattr(module, "run_as_forward", lambda op, *a, real=real: ran.append(forms._op_name(op)) or real(op, *a))
-        got = _grads(f, params, sc)
+    got, ops = _grads_and_ops(f, params, sc)
+    ran = [forms._op_name(op) for op in ops]
     # (three weights' casts, three of h; RMSNorm's normalized tensor, kept by the weight's mul, too)
     assert sc.remade_by_op == {"_to_copy": 6, **({"mul": 1} if norm == "rms" else {})}, sc.report()
     # Each way: the three weights' casts from the parameters, h's cast through its chain, two twins.
@@ -415,13 +422,9 @@ def test_a_layer_norm_is_probed_once_for_the_chains_through_it():
             return (lin(h * 0.5) * lin(h * 2.0)).float().sum()
 
     want = _grads(f, params)
-    ran: list[str | None] = []
     sc = relu_ext.save_compact()
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (forms, recipes):
-            real = module.run_as_forward
-            patch.setattr(module, "run_as_forward", lambda op, *a, real=real: ran.append(forms._op_name(op)) or real(op, *a))
-        got = _grads(f, params, sc)
+    got, ops = _grads_and_ops(f, params, sc)
+    ran = [forms._op_name(op) for op in ops]
     assert sc.remade_by_op == {"_to_copy": 3}, sc.report()  # (the weight's cast; the two products')
     assert ran.count(None) == len(forms.LAYER_NORM_EPS), ran  # (one probe of every eps)
     _assert_same(got, want)
@@ -445,12 +448,8 @@ def test_a_layer_norm_output_is_remade_with_its_weights_last_eps():
     for eps in (1e-12, 1e-12, 1e-5):
         norm.eps = eps
         want = _grads(f, params)
-        ran: list[Any] = []
         sc = relu_ext.save_compact()
-        with pytest.MonkeyPatch.context() as patch:
-            real = forms.run_as_forward
-            patch.setattr(forms, "run_as_forward", lambda op, *a: ran.append(op) or real(op, *a))
-            got = _grads(f, params, sc)
+        got, ran = _grads_and_ops(f, params, sc)
         assert sc.remade_by_op == {"layer_norm": 1}, sc.report()
         _assert_same(got, want)
         probes.append(sum(isinstance(op, forms.LayerNormOf) and op.output == 2 for op in ran))  # (rstd: a probe)
