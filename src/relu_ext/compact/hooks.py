@@ -317,7 +317,7 @@ class _Packer:
         """`t` in the form of the first of `rows` (those of FORMS that apply to it) that can be made and
         whose check does not fail at once; None: saved as it is."""
         grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # (what torch.no_grad() does, without its Python: 1.5 µs a call)
+        torch._C._set_grad_enabled(False)  # (what torch.no_grad() does, without its Python calls: see docs/performance.md)
         try:
             for row in rows:
                 made = row.make(t, self)
