@@ -191,6 +191,8 @@ def test_small_memory_models_sections(result):
     assert cnn["install+recompute"] < cnn["install+compact"]
     # T5: ReLU -> dropout -> linear: nothing else keeps the ReLU output, so the mask alone saves.
     assert held[("t5_relu", "float32")]["install"] < held[("t5_relu", "float32")]["nn.ReLU"]
+    # Selective checkpointing, timed in the same rounds: it keeps the matmuls' outputs, recomputes the rest.
+    assert held[("t5_relu", "float32")]["sac nn.ReLU"] < held[("t5_relu", "float32")]["nn.ReLU"]
     for row in res["models"]:
         r, t = row["results"]["relu_ext"], row["results"]["torch"]
         assert len(r["rounds_s"]) == ROUNDS
@@ -352,10 +354,15 @@ def test_table_headers_name_the_columns_and_units(result):
     small_head = next(line for line in lines if line.startswith("size case ") and "µs" in line)
     assert small_head.split()[2:] == ["µs", "vs", "T"] * 5
     start = lines.index(next(line for line in lines if line.startswith("real models, training mode")))
-    head, units = lines[start + 1], lines[start + 2]
-    assert head.split()[1:] == real.CONFIGS and units.split()[:3] == ["dtype,", "input", "metric"]
-    assert units.count("value  x vs T") == len(real.CONFIGS)
-    table = lines[start + 4:start + 4 + 3 * len(result[0]["memory"]["models"])]
+    head, tail, units = lines[start + 1:start + 4]
+    # (Each configuration's name right-aligned over its two columns, split after its "+".)
+    width = report._CELL
+    names = [(head[i:i + width].strip() + tail[i:i + width].strip())
+             for i in range(len(units) - width * len(real.CONFIGS), len(units), width)]
+    assert head.split()[0] == "model" and names == real.CONFIGS, (head, tail)
+    assert units.split()[:3] == ["dtype,", "input", "metric"] and units.count("value x vs T") == len(real.CONFIGS)
+    assert all(len(line) <= report.WIDTH for line in lines)
+    table = lines[start + 5:start + 5 + 3 * len(result[0]["memory"]["models"])]
     assert [line[15:24].strip() for line in table] == ["held MiB", "peak MiB", "step ms"] * (len(table) // 3)
 
 
@@ -711,7 +718,7 @@ def test_user_model_runs_every_configuration(user_model, monkeypatch):
     # Both sections ran: the compiled rows are also compared with eager nn.ReLU's held bytes.
     for m in compiled["results"].values():
         assert math.isclose(m["held_vs_eager"], m["held_bytes"] / held["nn.ReLU"])
-    assert "held vs eager nn.ReLU (memory section), compile nn.ReLU / compile relu_ext / sac nn.ReLU:" in report.format_tables(res)
+    assert "held vs eager nn.ReLU (memory section), compile nn.ReLU / compile relu_ext:" in report.format_tables(res)
     assert [s["config"] for s in specs] == real.CONFIGS + real.COMPILED_CONFIGS
     assert all(s["models"] == [target] and s["shapes"] == {target: [2, 3, 8, 8]} and str(folder) in s["path"]
                for s in specs)

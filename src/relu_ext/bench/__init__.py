@@ -30,11 +30,14 @@ Sections (--what):
            4x256 tokens), timm's vit_tiny_patch16_224 and mlp50 (50 x
            Linear(64, 64) -> ReLU, 128 rows: the hooks' own host time),
            random weights, training mode; --quick: resnet18 and T5 at toy
-           sizes, and mlp50) under five
+           sizes, and mlp50) under six
            configurations, nn.ReLU, install (relu_ext.install()),
            install+compact (and relu_ext.save_compact(recompute=False)),
-           install+recompute (and relu_ext.save_compact()) and
-           nn.ReLU+compact:
+           install+recompute (and relu_ext.save_compact()),
+           nn.ReLU+compact, and sac nn.ReLU (what users pick instead in
+           eager mode: op-level selective activation checkpointing, each
+           block checkpointed, matmuls and attention saved; its held bytes
+           counted from the allocator):
            bytes their autograd graph holds after forward (counted exactly
            from what the saved-tensor hooks keep), the peak of one training
            step (one fresh process per configuration) and its time
@@ -51,10 +54,8 @@ Sections (--what):
            minutes) what users pick instead, on the memory section's real
            models: torch.compile (--compile-backend, default inductor), as
            they are and with relu_ext.convert()'s modules (an op the compiler
-           does not fuse), and op-level selective activation checkpointing
-           (eager: each block checkpointed, matmuls and attention saved;
-           held bytes counted from the allocator): held bytes, peak and step
-           time, vs compiled nn.ReLU, and vs eager nn.ReLU with --what
+           does not fuse): held bytes, peak and step time, vs compiled
+           nn.ReLU, and held bytes vs eager nn.ReLU with --what
            memory,compiled.
 
 Implementations (--impls): torch (torch.relu / nn.ReLU), torch_out (torch.clamp

@@ -1,5 +1,5 @@
 """Op-level selective activation checkpointing, as torchtitan applies it: what a user picks instead of
-save_compact() to hold less, bit for bit (the same ops run again on the same inputs). The compiled
+save_compact() to hold less, bit for bit (the same ops run again on the same inputs). The memory
 section's ``sac nn.ReLU`` configuration: each block of the model (every item of a list of two or more
 modules of one class: a transformer's layers, a ResNet stage's blocks) runs under
 ``torch.utils.checkpoint`` with a policy that saves the outputs of matrix products, convolutions and

@@ -52,9 +52,11 @@ QUICK_MODELS = ["resnet18", "t5_relu", "mlp50"]
 # autocast, and with eager attention (transformers' own softmax and matmuls) where the others use SDPA.
 VARIANTS = ("autocast", "eager")
 VARIANT_MODELS = [f"{name}@{variant}" for name in TRANSFORMERS for variant in VARIANTS]
-CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReLU+compact"]
-# What users pick instead of save_compact(): torch.compile, and op-level selective checkpointing (eager).
-COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext", "sac nn.ReLU"]
+# The memory section's configurations, the last what users pick instead of save_compact() in eager
+# mode, op-level selective checkpointing: its step timed in the same interleaved rounds as the others.
+CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReLU+compact", "sac nn.ReLU"]
+# What users pick instead when they compile: torch.compile, as it is and with relu_ext's modules.
+COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
 # The package each built-in model needs beyond torch (None: built here); the others need torchvision.
 NEEDS = {"darknet": None, "mlp50": None, "t5_relu": "transformers", **dict.fromkeys(TRANSFORMERS, "transformers"), "vit_tiny": "timm"}
 # Images (tokens: rows of 256 or 128; mlp50: rows of 64) per batch at 112x112 (64x64 with --quick): what this

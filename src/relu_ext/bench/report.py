@@ -136,8 +136,11 @@ def _kernel_grid(rows: list[dict[str, Any]], title: str, case_width: int) -> lis
 
 
 def _fig(v: float) -> str:
-    """About three significant digits in 9 columns: 316, 83.5, 1.25 (tiny user models: 0.03)."""
-    return f"{v:9.{2 if v < 10 else 1 if v < 100 else 0}f}"
+    """About three significant digits in 8 columns: 316, 83.5, 1.25 (tiny user models: 0.03)."""
+    return f"{v:8.{2 if v < 10 else 1 if v < 100 else 0}f}"
+
+
+_CELL = 15  # (memory_lines: a figure in 8 columns, its ratio in 6, a mark)
 
 
 def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training mode") -> list[str]:
@@ -148,11 +151,14 @@ def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training
     if not rows:
         return []
     configs = list(rows[0]["results"])
-    # (A longer model name than the dtype and input takes a line of its own, so that 5 configurations fit.)
+    # (A longer model name than the dtype and input takes a line of its own, and a configuration's
+    # name a line and a half, split at its "+", so that six configurations fit.)
     lead = min(26, max(14, *(len(r[k]) + 2 for r in rows for k in ("dtype", "input"))))
+    heads = [c.split("+", 1) if "+" in c else ["", c] for c in configs]
     lines = ["", f"{title}: value and vs {configs[0]} (<1 less) for each configuration",
-             f"{'model':{lead}} {'':9}" + "".join(f"{c:>18}" for c in configs),
-             f"{'  dtype, input':{lead}} {'metric':9}" + f"{'value':>9}{'x vs T':>8} " * len(configs)]
+             f"{'model':{lead}} {'':9}" + "".join(f"{h:>{_CELL}}" for h, _ in heads),
+             f"{'':{lead}} {'':9}" + "".join(f"{'+' + t if h else t:>{_CELL}}" for h, t in heads),
+             f"{'  dtype, input':{lead}} {'metric':9}" + f"{'value':>8}{'x vs T':>7}" * len(configs)]
     lines.append("-" * len(lines[-1]))
     metrics = [("held MiB", lambda m: m["held_bytes"] / 2**20, "held_vs_torch"),
                ("peak MiB", lambda m: None if m["peak_bytes"] is None else m["peak_bytes"] / 2**20, "peak_vs_torch"),
@@ -163,8 +169,8 @@ def memory_lines(rows: list[dict[str, Any]], title: str = "real models, training
             lines.append(model[:WIDTH])
             model = ""
         for name, (label, value, ratio) in zip((model, "  " + r["dtype"], "  " + r["input"]), metrics):
-            cells = [(f"{'n/a':>9}" if value(m) is None else _fig(value(m)))
-                     + (f"{'n/a':>8}" if m[ratio] is None else f"{m[ratio]:8.2f}")
+            cells = [(f"{'n/a':>8}" if value(m) is None else _fig(value(m)))
+                     + (f"{'n/a':>6}" if m[ratio] is None else f"{m[ratio]:6.2f}")
                      + (_mark(m["marks"]) if label == "step ms" else " ") for m in r["results"].values()]
             lines.append(f"{name[:lead]:{lead}} {label:9}" + "".join(cells))
     methods = {m["peak_method"] for r in rows for m in r["results"].values()}
