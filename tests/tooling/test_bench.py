@@ -1016,3 +1016,20 @@ def test_hook_time_counts_every_saved_tensor():
         loss = real.loss_of(model, x)
     loss.backward()
     assert timer.saved == len(saved) > 0 and timer.spent > 0 and sc.compacted == 1
+
+
+def test_timed_hooks_make_the_forms_untimed_ones_do():
+    """real.HookTimer times the block's hooks without changing what they do: a BatchNorm -> ReLU
+    output is a recipe, which reads the BatchNorm's input through the block's own unpack hook."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3))
+    x = torch.randn(4, 3, 24, 24)
+    counts = []
+    for timer in (None, real.HookTimer()):
+        sc = relu_ext.save_compact()
+        with timer.wrap(sc) if timer is not None else sc:
+            loss = real.loss_of(model, x)
+        loss.backward()
+        counts.append(real.compact_counts(sc))
+    assert counts[0]["replayed"] == 1 and counts[1] == counts[0]

@@ -379,9 +379,13 @@ class HookTimer:
         self._unpack: Callable[[Any], Tensor] = lambda t: t
 
     def wrap(self, sc: relu_ext.save_compact) -> relu_ext.save_compact:
-        """`sc`, its hooks timed by this (set before it is entered, as held_bytes does)."""
+        """`sc`, its hooks timed by this (set before it is entered, as held_bytes does). Its packer
+        takes the timed unpack hook as its own: a recipe reads what the block saved as it is by the
+        unpack hook autograd holds (``SavedTensor.unpack_hook is``), so that the timed block makes
+        the forms the untimed one does."""
         self._pack, self._unpack = sc.pack_hook, sc.unpack_hook
-        sc.pack_hook, sc.unpack_hook = self.pack, self.unpack
+        sc.pack_hook = self.pack
+        sc.unpack_hook = sc._packer.unpack = self.unpack
         return sc
 
     def pack(self, t: Tensor) -> Any:
