@@ -1001,13 +1001,21 @@ def test_gpu_models_goes_on_after_a_failed_configuration(monkeypatch):
     assert got["nn.ReLU"]["vs_torch"] == 1.0 and got["install+save_compact"]["held_vs_torch"] < 0.8
 
 
-def test_hook_time_counts_every_saved_tensor():
-    """real.hook_us: save_compact()'s hooks timed over a step, per tensor saved; none without them."""
+def test_hook_time_counts_every_saved_tensor(monkeypatch):
+    """real.hook_us: save_compact()'s hooks timed over a step, per tensor saved; none without them.
+    The best of `rounds` steps, and of more while they take less than its budget (short steps)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     x = torch.randn(128, 64)
     assert real.hook_us(model, x, "install") is None and real.hook_us(model, x, "nn.ReLU") is None
-    assert 0 < real.hook_us(model, x, "install+compact", rounds=1) < 1e6
+    steps = []
+    wrap = real.HookTimer.wrap
+    monkeypatch.setattr(real.HookTimer, "wrap", lambda self, sc: steps.append(sc) or wrap(self, sc))
+    assert 0 < real.hook_us(model, x, "install+compact", rounds=2, budget_s=0) < 1e6 and len(steps) == 2
+    steps.clear()
+    real.hook_us(model, x, "install+compact", rounds=2, budget_s=0.2)
+    assert 2 < len(steps) <= real.HOOK_STEPS
+    monkeypatch.undo()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         real.loss_of(model, x)

@@ -57,6 +57,8 @@ VARIANT_MODELS = [f"{name}@{variant}" for name in TRANSFORMERS for variant in VA
 CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReLU+compact", "sac nn.ReLU"]
 # What users pick instead when they compile: torch.compile, as it is and with relu_ext's modules.
 COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
+# The most steps hook_us() times of one configuration.
+HOOK_STEPS = 200
 # The package each built-in model needs beyond torch (None: built here); the others need torchvision.
 NEEDS = {"darknet": None, "mlp50": None, "t5_relu": "transformers", **dict.fromkeys(TRANSFORMERS, "transformers"), "vit_tiny": "timm"}
 # Images (tokens: rows of 256 or 128; mlp50: rows of 64) per batch at 112x112 (64x64 with --quick): what this
@@ -402,14 +404,16 @@ class HookTimer:
         return t
 
 
-def hook_us(model: nn.Module, inputs: Any, config: str, rounds: int = 3) -> float | None:
+def hook_us(model: nn.Module, inputs: Any, config: str, rounds: int = 3, budget_s: float = 1.0) -> float | None:
     """Host time in a configuration's save_compact() hooks per tensor saved for backward, pack and
-    unpack together, in µs: the best of `rounds` training steps (the hooks' own cost, which a GPU
-    waits for where the host falls behind). None for a configuration without save_compact()."""
+    unpack together, in µs: the best of at least `rounds` training steps, more while they take less
+    than `budget_s` in all (at most HOOK_STEPS): a step of a few ms (mlp50's) is noise-bound at 3.
+    The hooks' own cost, which a GPU waits for where the host falls behind. None for a configuration
+    without save_compact()."""
     if saving(config) is None:
         return None
-    best = float("inf")
-    for _ in range(rounds):
+    best, done, start = float("inf"), 0, time.perf_counter()
+    while done < rounds or (time.perf_counter() - start < budget_s and done < HOOK_STEPS):
         timer = HookTimer()
         torch.manual_seed(1)
         with installing(config)():
@@ -418,6 +422,7 @@ def hook_us(model: nn.Module, inputs: Any, config: str, rounds: int = 3) -> floa
             loss.backward()
         model.zero_grad(set_to_none=True)
         best = min(best, timer.spent / max(timer.saved, 1) * 1e6)
+        done += 1
     return best
 
 

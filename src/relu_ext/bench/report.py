@@ -188,7 +188,7 @@ def hook_lines(rows: list[dict[str, Any]]) -> list[str]:
     timed = [(r, us) for r, us in timed if us]
     if not timed:
         return []
-    lines = ["  save_compact's hooks: host µs per saved tensor, pack and unpack together (best of 3 steps)"]
+    lines = ["  save_compact's hooks: host µs per saved tensor, pack and unpack together (best step of 1 s, 3 at least)"]
     for r, us in timed:
         cells = "  ".join(f"{c} {v:.1f}" for c, v in us.items())
         lines.append(f"    {r['model']} {r['dtype']}: {cells}"[:WIDTH])
