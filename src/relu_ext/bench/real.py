@@ -564,7 +564,9 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
             for config in configs:
                 progress.step(f"memory held {key} {config}")
                 held[config] = held_bytes(run_as[config], inputs, config, counts[config])
-            hooks = {config: hook_us(run_as[config], inputs, config) for config in configs}
+            # (--quick: a smoke run of toy sizes, whose hook time is no figure to keep: 3 steps.)
+            hooks = {config: hook_us(run_as[config], inputs, config, budget_s=0.0 if quick else 1.0)
+                     for config in configs}
             steps = {config: step_fn(run_as[config], inputs, config) for config in configs}
             samples = timing.interleave(steps, device, rounds, budget_s, lambda c: progress.step(f"memory time {key} {c}"))
             results = {}
