@@ -57,8 +57,8 @@ VARIANT_MODELS = [f"{name}@{variant}" for name in TRANSFORMERS for variant in VA
 CONFIGS = ["nn.ReLU", "install", "install+compact", "install+recompute", "nn.ReLU+compact", "sac nn.ReLU"]
 # What users pick instead when they compile: torch.compile, as it is and with relu_ext's modules.
 COMPILED_CONFIGS = ["compile nn.ReLU", "compile relu_ext"]
-# The most steps hook_us() times of one configuration.
-HOOK_STEPS = 200
+# How long hook_us() times steps of one configuration, 3 at least, and the most steps it times.
+HOOK_BUDGET_S, HOOK_STEPS = 1.0, 200
 # The package each built-in model needs beyond torch (None: built here); the others need torchvision.
 NEEDS = {"darknet": None, "mlp50": None, "t5_relu": "transformers", **dict.fromkeys(TRANSFORMERS, "transformers"), "vit_tiny": "timm"}
 # Images (tokens: rows of 256 or 128; mlp50: rows of 64) per batch at 112x112 (64x64 with --quick): what this
@@ -404,7 +404,8 @@ class HookTimer:
         return t
 
 
-def hook_us(model: nn.Module, inputs: Any, config: str, rounds: int = 3, budget_s: float = 1.0) -> float | None:
+def hook_us(model: nn.Module, inputs: Any, config: str, rounds: int = 3,
+            budget_s: float = HOOK_BUDGET_S) -> float | None:
     """Host time in a configuration's save_compact() hooks per tensor saved for backward, pack and
     unpack together, in µs: the best of at least `rounds` training steps, more while they take less
     than `budget_s` in all (at most HOOK_STEPS): a step of a few ms (mlp50's) is noise-bound at 3.
@@ -565,7 +566,7 @@ def run(device: str, dtypes: list[torch.dtype], names: list[str], quick: bool, r
                 progress.step(f"memory held {key} {config}")
                 held[config] = held_bytes(run_as[config], inputs, config, counts[config])
             # (--quick: a smoke run of toy sizes, whose hook time is no figure to keep: 3 steps.)
-            hooks = {config: hook_us(run_as[config], inputs, config, budget_s=0.0 if quick else 1.0)
+            hooks = {config: hook_us(run_as[config], inputs, config, budget_s=0.0 if quick else HOOK_BUDGET_S)
                      for config in configs}
             steps = {config: step_fn(run_as[config], inputs, config) for config in configs}
             samples = timing.interleave(steps, device, rounds, budget_s, lambda c: progress.step(f"memory time {key} {c}"))
