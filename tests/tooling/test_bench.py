@@ -13,6 +13,7 @@ import os
 import re
 import statistics
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -445,6 +446,21 @@ def test_sampler_runs_with_torchs_threads():
     sampler = timing.Sampler("k", lambda: seen.append(torch.get_num_threads()), "cpu", 0.001)
     assert sampler.sample() > 0 and set(seen) == {torch.get_num_threads()}
 
+
+
+def test_a_call_as_long_as_a_block_is_sampled_as_its_best_after_an_untimed_one():
+    """A training step is a block of one call: a burst of load in that one call would be the sample,
+    so the sample is the best of LONG_CALL_BEST_OF timed calls, after an untimed one."""
+    durations = iter([0.002, 0.2, 0.01, 0.1])  # calibration; then untimed, timed, timed
+    calls = []
+
+    def fn() -> None:
+        calls.append(next(durations))
+        time.sleep(calls[-1])
+
+    sampler = timing.Sampler("k", fn, "cpu", 0.001)
+    assert timing.LONG_CALL_BEST_OF == 2 and sampler.number == 1
+    assert 0.01 <= sampler.sample() < 0.08 and len(calls) == 4
 
 def test_default_output_is_the_current_folder_and_never_overwritten(tmp_path, monkeypatch):
     env = {"device": "cpu", "cpu": "AMD EPYC", "threads": 2, "date": "2026-11-23T03:22:54"}

@@ -19,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+import timeit
 from typing import Any, Callable, Hashable, TypeVar
 
 import torch
@@ -27,6 +28,10 @@ from torch.utils import benchmark
 MAX_SPREAD = 0.25
 COPY_LOW = 0.5
 NOISY, COPY_LOW_MARK = "noisy", "copy low"
+# A call at least a block long (a real model's training step) is a block of one call, which one
+# burst of another process's load decides: such a sample is the best of this many calls, after an
+# untimed one (as many calls as torch's Timer runs for a block of one: two to warm up, one timed).
+LONG_CALL_BEST_OF = 2
 K = TypeVar("K", bound=Hashable)
 
 
@@ -35,7 +40,9 @@ class Sampler:
     then one block of calls about ``block_s`` long per sample.
 
     CPU: torch.utils.benchmark's Timer with the threads torch uses (Timer's
-    own default is 1 thread). CUDA: triton.testing.do_bench, which flushes L2
+    own default is 1 thread); a call as long as a block, the best of
+    LONG_CALL_BEST_OF calls after an untimed one (timed in this thread, so with
+    torch's threads too). CUDA: triton.testing.do_bench, which flushes L2
     before each call, or CUDA events after an L2 flush without triton.
     """
 
@@ -68,6 +75,8 @@ class Sampler:
 
     def _sample(self) -> float:
         if self.device != "cuda":
+            if self.number == 1:
+                return min(timeit.Timer(self.fn).repeat(1 + LONG_CALL_BEST_OF, number=1)[1:])
             return self.timer.timeit(self.number).median
         try:
             from triton.testing import do_bench
