@@ -13,8 +13,8 @@ import os
 import re
 import statistics
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -447,7 +447,6 @@ def test_sampler_runs_with_torchs_threads():
     assert sampler.sample() > 0 and set(seen) == {torch.get_num_threads()}
 
 
-
 def test_a_call_as_long_as_a_block_is_sampled_as_its_best_after_an_untimed_one():
     """A training step is a block of one call: a burst of load in that one call would be the sample,
     so the sample is the best of LONG_CALL_BEST_OF timed calls, after an untimed one."""
@@ -461,6 +460,7 @@ def test_a_call_as_long_as_a_block_is_sampled_as_its_best_after_an_untimed_one()
     sampler = timing.Sampler("k", fn, "cpu", 0.001)
     assert timing.LONG_CALL_BEST_OF == 2 and sampler.number == 1
     assert 0.01 <= sampler.sample() < 0.08 and len(calls) == 4
+
 
 def test_default_output_is_the_current_folder_and_never_overwritten(tmp_path, monkeypatch):
     env = {"device": "cpu", "cpu": "AMD EPYC", "threads": 2, "date": "2026-11-23T03:22:54"}
