@@ -82,6 +82,7 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         grads["replayed"] = replayed
         if rank == 0:
             torch.save(grads, out_file)
+        dist.barrier()  # (see _fsdp_worker)
     finally:
         dist.destroy_process_group()
 
@@ -162,6 +163,9 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_file: str, version: 
                 hold.remove()
         if rank == 0:
             torch.save(out, out_file)
+        # Neither rank closes its connections while the other may still use them: gloo can abort a
+        # process whose peer has hung up (a rank aborted once in a CI run on torch 2.11).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
