@@ -164,7 +164,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_file: str, version: 
         if rank == 0:
             torch.save(out, out_file)
         # Neither rank closes its connections while the other may still use them: gloo can abort a
-        # process whose peer has hung up (a rank aborted once in a CI run on torch 2.11).
+        # process whose peer has hung up.
         dist.barrier()
     finally:
         dist.destroy_process_group()
