@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # on its node; a recipe verified with its identity as the forward holds it; a LayerNorm output
 # remade with its weight's last eps: milliseconds each. 1,024 -> 1,025: the benchmark's timed hooks
 # make the forms untimed ones do, a two-layer CNN's step each way. 1,025 -> 1,026: a sample of one
-# long call is its best after an untimed one, four sleeps.)
-QUICK_TIER_BOUND = 1026
+# long call is its best after an untimed one, four sleeps. 1,026 -> 1,028: random nets against
+# PyTorch, one group of eight small nets of each kind, about a second each.)
+QUICK_TIER_BOUND = 1028
 
 
 def _collected(*args: str) -> list[str]:
