@@ -19,7 +19,11 @@
 //                  to_m(x) and rounded to T once, give what they give on x
 //                  (the 16-bit ops compute in opmath and round once): the
 //                  CPU's float16 kernels convert a block with the hardware's
-//                  instructions and run the trait on floats.
+//                  instructions and run the trait on floats;
+//   nan_output(args)  whether PyTorch's op writes NaN to every element for
+//                  these arguments, whatever the input (hardtanh is clamp,
+//                  which fills its output with NaN where a bound is NaN);
+//                  the mask (keep) is computed as ever.
 // kArgs: how many Scalar arguments the op takes; kSchemaArgs: them in schema
 // syntax (with PyTorch's defaults); kNode: the backward node's name;
 // kGradScales: whether grad computes with g (in opmath) rather than picking
@@ -46,8 +50,9 @@
 // Where PyTorch's vectorized CPU loop and its scalar loop disagree, the
 // scalar loop is followed:
 // NaN payloads (the vectorized hardtanh / hardsigmoid / 16-bit loops write
-// all-ones NaNs) and hardtanh's gradient at a NaN input (the scalar
-// predicate `!(x <= min || x >= max)` passes it, the vectorized loop drops it).
+// all-ones NaNs) and hardtanh's gradient at a NaN input or with a NaN bound
+// (the scalar predicate `!(x <= min || x >= max)` passes it, the vectorized
+// loop drops it).
 #pragma once
 
 #include <array>
@@ -115,6 +120,7 @@ struct Relu {
   static Params<T> params(const ActArgs&) {
     return {};
   }
+  static bool nan_output(const ActArgs&) { return false; }
   template <typename T>
   static Params<OpMath<T>> widen(const Params<T>&) {
     return {};
@@ -155,6 +161,9 @@ struct Hardtanh {
   template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs& a) {
     return {a[0].to<OpMath<T>>(), a[1].to<OpMath<T>>(), a[0].to<T>(), a[1].to<T>()};
+  }
+  static bool nan_output(const ActArgs& a) {
+    return a[0].toDouble() != a[0].toDouble() || a[1].toDouble() != a[1].toDouble();
   }
   template <typename T>
   static Params<OpMath<T>> widen(const Params<T>& p) {
@@ -203,6 +212,7 @@ struct LeakyRelu {
   static Params<T> params(const ActArgs& a) {
     return {a[0].to<OpMath<T>>()};
   }
+  static bool nan_output(const ActArgs&) { return false; }
   template <typename T>
   static Params<OpMath<T>> widen(const Params<T>& p) {
     return {p.slope};
@@ -246,6 +256,7 @@ struct Threshold {
     // Only the CUDA path converts to T, so only it raises on a 16-bit overflow, as PyTorch's does.
     return {kCuda ? OpMath<T>(a[0].to<T>()) : a[0].to<OpMath<T>>(), a[1].to<T>()};
   }
+  static bool nan_output(const ActArgs&) { return false; }
   template <typename T>
   static Params<OpMath<T>> widen(const Params<T>& p) {
     return {p.threshold, to_m(p.value)};
@@ -290,6 +301,7 @@ struct Hardsigmoid {
   static Params<T> params(const ActArgs&) {
     return {OpMath<T>(0), OpMath<T>(6)};
   }
+  static bool nan_output(const ActArgs&) { return false; }
   template <typename T>
   static Params<OpMath<T>> widen(const Params<T>& p) {
     return {p.zero, p.six};

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -143,12 +144,15 @@ struct Family<Act, std::index_sequence<I...>> {
     const bool ints = Act::kInts && !is_float(x.scalar_type());
     if (x.is_cuda()) {
 #ifdef WITH_CUDA
-      return ints ? forward_int_cuda(x, y) : act_forward_cuda<Act>(x, y, mask, a);
+      ints ? forward_int_cuda(x, y) : act_forward_cuda<Act>(x, y, mask, a);
 #else
       no_cuda_kernels(name(""));
 #endif
+    } else {
+      ints ? forward_int_cpu(x, y) : act_forward_cpu<Act>(x, y, mask, a);
     }
-    ints ? forward_int_cpu(x, y) : act_forward_cpu<Act>(x, y, mask, a);
+    // (After the kernel, which wrote the mask from x: in place, y is x.)
+    if (!ints && Act::nan_output(a)) y.fill_(std::numeric_limits<double>::quiet_NaN());
   }
 
   // y in PyTorch's layout, which walks memory in xd's order (layout.h).

@@ -164,7 +164,7 @@ def install(ops: Iterable[str] | None = None) -> Installation:
             "or calling the compiled function."
         )
     known = targets()
-    chosen = known if ops is None else tuple(dict.fromkeys([ops] if isinstance(ops, str) else ops))
+    chosen = known if ops is None else tuple(dict.fromkeys([ops] if isinstance(ops, str) else _names(ops)))
     unknown = [op for op in chosen if op not in known]
     if unknown:
         raise ValueError(f"relu_ext.install: unknown op(s) {unknown}; choose from {list(known)}")
@@ -173,6 +173,18 @@ def install(ops: Iterable[str] | None = None) -> Installation:
         for op in chosen:
             _holds[op] = _holds.get(op, 0) + 1
         return Installation(_generation, chosen)
+
+
+def _names(ops: object) -> list[str]:
+    """install()'s `ops` as a list of names, or a TypeError that says what it got instead (a tensor
+    passed by mistake is iterable, element by element)."""
+    if isinstance(ops, torch.Tensor) or not isinstance(ops, Iterable):
+        raise TypeError(f"relu_ext.install: ops must be an op's name or an iterable of names, got {type(ops).__name__}")
+    names = list(ops)
+    wrong = [type(op).__name__ for op in names if not isinstance(op, str)]
+    if wrong:
+        raise TypeError(f"relu_ext.install: ops must be names (str), got {', '.join(dict.fromkeys(wrong))}")
+    return names
 
 
 def uninstall() -> None:

@@ -207,6 +207,31 @@ def test_hardtanh_min_above_max_raises_like_pytorch():
             fn(torch.randn(3), 2.0, 1.0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bounds", [(float("nan"), 1.0), (-1.0, float("nan")), (float("nan"), float("nan"))], ids=str)
+def test_hardtanh_with_a_nan_bound_is_all_nan_as_pytorch(bounds, dtype, device, _pytorch_kernels_around):
+    """PyTorch's hardtanh is clamp, which writes NaN everywhere where a bound is NaN (the dtype's
+    quiet NaN, whatever the input); so does relu_ext's, functional and in place, through install()
+    too. The gradient is PyTorch's scalar loop's, !(x <= min || x >= max) (its vectorized loop gives
+    0 there: docs/design.md)."""
+    x = adversarial(100_003, dtype, device, seed=3)
+    want = F.hardtanh(x, *bounds)
+    assert want.isnan().all()
+    inplace = x.clone()
+    relu_ext.hardtanh(inplace, *bounds, inplace=True)
+    with relu_ext.install("hardtanh"):
+        installed = F.hardtanh(x, *bounds)
+    for got, how in ((relu_ext.hardtanh(x, *bounds), "functional"), (inplace, "in place"), (installed, "installed")):
+        assert torch.equal(bits(got), bits(want)), f"{how}: not PyTorch's NaN in every element"
+    g = adversarial(x.numel(), dtype, device, seed=4)
+    xr = x.clone().requires_grad_()
+    relu_ext.hardtanh(xr, *bounds).backward(g)
+    lo, hi = bounds
+    passes = ~((x.double() <= lo) | (x.double() >= hi))
+    assert torch.equal(bits(xr.grad), bits(torch.where(passes, g, torch.zeros_like(g))))
+
+
 def test_half_overflow_of_the_value_raises_like_pytorch():
     x = torch.randn(10, dtype=torch.float16)
     with pytest.raises(RuntimeError) as theirs:
@@ -549,6 +574,10 @@ def test_install_a_subset(_pytorch_kernels_around):
     assert not relu_ext.installed()
     with pytest.raises(ValueError, match="unknown op.*'gelu'"):
         relu_ext.install(ops=["gelu"])
+    for wrong, named in ((5, "got int"), (torch.zeros(1 << 20), "got Tensor"), (["relu", None], "got NoneType")):
+        with pytest.raises(TypeError, match=f"relu_ext.install: ops must be .*{named}"):
+            relu_ext.install(ops=wrong)
+    assert not relu_ext.installed()
     assert list(relu_ext.install_targets()) == [c.op for c in ONE_PER_OP]  # every op of the table
 
 

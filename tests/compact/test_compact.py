@@ -911,6 +911,10 @@ def test_torch_func_raises_pytorchs_clear_error():
 def test_bad_min_saving():
     with pytest.raises(ValueError, match="min_saving must be in"):
         relu_ext.save_compact(min_saving=1.0)
+    for wrong, named in ((torch.zeros(3), "Tensor"), ("0.1", "str"), (True, "bool")):
+        with pytest.raises(TypeError, match=f"min_saving must be a number, got {named}"):
+            relu_ext.save_compact(wrong)
+    assert relu_ext.save_compact(np.float32(0.25)).min_saving == 0.25
 
 
 def _held_bytes(model: torch.nn.Module, x: torch.Tensor, compacted: bool) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import threading
 import weakref
 from collections import deque
@@ -82,6 +83,8 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, min_saving: float = 0.1, recompute: bool = True, pending_bytes: int | None = None) -> None:
+        if isinstance(min_saving, bool) or not isinstance(min_saving, numbers.Real):
+            raise TypeError(f"relu_ext.save_compact: min_saving must be a number, got {type(min_saving).__name__}")
         if not 0.0 <= min_saving < 1.0:
             raise ValueError(f"relu_ext.save_compact: min_saving must be in [0, 1), got {min_saving}")
         if pending_bytes is not None and (isinstance(pending_bytes, bool) or not isinstance(pending_bytes, int)
