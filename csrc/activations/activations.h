@@ -139,9 +139,11 @@ struct Relu {
   }
 };
 
-// hardtanh(x, min_val, max_val) = clamp(x, min, max); the bounds are
-// compared in opmath (PyTorch's backward does; for the forward it makes no
-// difference), the output is x itself (NaN payload kept) or a bound in T.
+// hardtanh(x, min_val, max_val) = clamp(x, min, max): the forward compares
+// with the bounds rounded to T, as PyTorch's clamp does (a bound that rounds
+// to +0.0 keeps a -0.0 input: std::max(-0.0, +0.0) is -0.0), the backward's
+// mask with the bounds in opmath, as PyTorch's backward does; the output is
+// x itself (NaN payload kept) or a bound in T.
 struct Hardtanh {
   static constexpr const char* kName = "hardtanh";
   static constexpr const char* kNode = "HardtanhExtBackward0";
@@ -160,6 +162,9 @@ struct Hardtanh {
   };
   template <typename T, bool kCuda = false>
   static Params<T> params(const ActArgs& a) {
+    // A NaN bound: the output is NaN (nan_output) and PyTorch converts no
+    // bound to T, so a 16-bit overflow of the other one raises nothing.
+    if (nan_output(a)) return {a[0].to<OpMath<T>>(), a[1].to<OpMath<T>>(), T(0), T(0)};
     return {a[0].to<OpMath<T>>(), a[1].to<OpMath<T>>(), a[0].to<T>(), a[1].to<T>()};
   }
   static bool nan_output(const ActArgs& a) {
@@ -171,15 +176,14 @@ struct Hardtanh {
   }
   template <bool kCuda = false, typename T>
   RELU_HD static T forward(T x, const Params<T>& p) {
-    const OpMath<T> v = to_m(x);
-    const bool low = v < p.lo;                   // std::max(x, lo): x when NaN
-    const OpMath<T> m = low ? p.lo : v;
-    // A max and a min instruction where T is the opmath type: in float and
-    // double the bounds are the same in T and opmath, and in the float16
-    // kernels' float pass (widen) the float bound narrows to the T bound,
-    // as c10 converts a Scalar to a 16-bit type through float.
-    if constexpr (std::is_same_v<T, OpMath<T>>) return p.hi < m ? p.hi : m;
-    return p.hi < m ? p.hi_t : (low ? p.lo_t : x);  // std::min(.., hi)
+    const OpMath<T> v = to_m(x), lo = to_m(p.lo_t), hi = to_m(p.hi_t);
+    const bool low = v < lo;  // std::max(x, lo): x when NaN
+    const OpMath<T> m = low ? lo : v;
+    // A max and a min instruction where T is the opmath type: float and
+    // double, and the float16 kernels' float pass (widen), whose T bounds
+    // are the 16-bit ones, which every float of a 16-bit value rounds back to.
+    if constexpr (std::is_same_v<T, OpMath<T>>) return hi < m ? hi : m;
+    return hi < m ? p.hi_t : (low ? p.lo_t : x);  // std::min(.., hi)
   }
   template <typename T>
   RELU_HD static bool keep(T x, const Params<T>& p) {

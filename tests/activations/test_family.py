@@ -230,6 +230,24 @@ def test_hardtanh_with_a_nan_bound_is_all_nan_as_pytorch(bounds, dtype, device, 
     lo, hi = bounds
     passes = ~((x.double() <= lo) | (x.double() >= hi))
     assert torch.equal(bits(xr.grad), bits(torch.where(passes, g, torch.zeros_like(g))))
+    if dtype == torch.float16:  # (PyTorch converts neither bound to the dtype then: 7e4 does not overflow)
+        big = (lo, 7e4) if lo != lo else (-7e4, hi)
+        assert torch.equal(bits(relu_ext.hardtanh(x, *big)), bits(F.hardtanh(x, *big)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_hardtanh_bounds_that_round_to_zero_keep_the_sign_of_zero(dtype):
+    """PyTorch's clamp compares with the bounds rounded to the dtype (its backward, in float): a bound
+    that rounds to +0.0 keeps a -0.0 input, std::max(-0.0, +0.0) being -0.0, and one that rounds to
+    -0.0 keeps +0.0. Six elements: PyTorch's scalar loop (its vectorized one returns the bound)."""
+    x = torch.tensor([-0.0, 0.0, -1.0, 1.0, 0.5, -0.5], dtype=dtype)
+    for lo, hi, want in [(1e-45, 1.0, [-0.0, 0.0, 0.0, 1.0, 0.5, 0.0]), (-1.0, -1e-45, [-0.0, 0.0, -1.0, -0.0, -0.0, -0.5])]:
+        got = relu_ext.hardtanh(x, lo, hi)
+        assert torch.equal(bits(got), bits(torch.tensor(want, dtype=dtype))), (lo, hi, got)
+        assert torch.equal(bits(got), bits(F.hardtanh(x, lo, hi)))
+        xr = x.clone().requires_grad_()
+        relu_ext.hardtanh(xr, lo, hi).backward(torch.ones_like(x))
+        assert xr.grad.tolist() == [float(lo < v < hi) for v in x.tolist()]
 
 
 def test_half_overflow_of_the_value_raises_like_pytorch():

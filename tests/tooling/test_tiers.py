@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # make the forms untimed ones do, a two-layer CNN's step each way. 1,025 -> 1,026: a sample of one
 # long call is its best after an untimed one, four sleeps. 1,026 -> 1,028: random nets against
 # PyTorch, one group of eight small nets of each kind, about a second each. 1,028 -> 1,032:
-# hardtanh with a NaN bound, each dtype once, milliseconds each.)
-QUICK_TIER_BOUND = 1032
+# hardtanh with a NaN bound, each dtype once, milliseconds each. 1,032 -> 1,034: 16-bit hardtanh
+# bounds that round to zero.)
+QUICK_TIER_BOUND = 1034
 
 
 def _collected(*args: str) -> list[str]:
