@@ -239,7 +239,7 @@ def test_hardtanh_with_a_nan_bound_is_all_nan_as_pytorch(bounds, dtype, device, 
 def test_hardtanh_bounds_that_round_to_zero_keep_the_sign_of_zero(dtype):
     """PyTorch's clamp compares with the bounds rounded to the dtype (its backward, in float): a bound
     that rounds to +0.0 keeps a -0.0 input, std::max(-0.0, +0.0) being -0.0, and one that rounds to
-    -0.0 keeps +0.0. Six elements: PyTorch's scalar loop (its vectorized one returns the bound)."""
+    -0.0 keeps +0.0. (Six elements, PyTorch's scalar loop; its vectorized loop gives the same here.)"""
     x = torch.tensor([-0.0, 0.0, -1.0, 1.0, 0.5, -0.5], dtype=dtype)
     for lo, hi, want in [(1e-45, 1.0, [-0.0, 0.0, 0.0, 1.0, 0.5, 0.0]), (-1.0, -1e-45, [-0.0, 0.0, -1.0, -0.0, -0.0, -0.5])]:
         got = relu_ext.hardtanh(x, lo, hi)
