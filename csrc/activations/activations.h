@@ -39,7 +39,11 @@
 // in-place form reads the output (relu: threshold_backward(grad, result, 0))
 // rather than the input (an in-place form: a clone of it). That tensor's
 // strides lay out grad_in, and a gradient taken with create_graph=True
-// depends on it (with a zero derivative).
+// depends on it (with a zero derivative). kTangentAddsZero: the forward
+// derivative of PyTorch's backward op adds zeros to its result
+// (threshold_backward's: zeros_like(self_t) + threshold_backward(grad_output_t,
+// ...)), so that a -0.0 in grad's tangent comes out +0.0 (forward-over-reverse:
+// torch.func.hessian, jvp of a gradient).
 //
 // PyTorch's CUDA kernels differ from its CPU ones in two ops, and relu_ext's
 // CUDA kernels follow them there (kCuda): threshold compares with the
@@ -114,6 +118,7 @@ struct Relu {
   static constexpr bool kGradLeads = false;
   static constexpr bool kReadsResult = true;
   static constexpr bool kInplaceReadsResult = true;
+  static constexpr bool kTangentAddsZero = true;
   template <typename T>
   struct Params {};
   template <typename T, bool kCuda = false>
@@ -155,6 +160,7 @@ struct Hardtanh {
   static constexpr bool kGradLeads = true;
   static constexpr bool kReadsResult = false;
   static constexpr bool kInplaceReadsResult = false;
+  static constexpr bool kTangentAddsZero = false;
   template <typename T>
   struct Params {
     OpMath<T> lo, hi;
@@ -208,6 +214,7 @@ struct LeakyRelu {
   static constexpr bool kGradLeads = false;
   static constexpr bool kReadsResult = false;
   static constexpr bool kInplaceReadsResult = true;
+  static constexpr bool kTangentAddsZero = false;
   template <typename T>
   struct Params {
     OpMath<T> slope;
@@ -250,6 +257,7 @@ struct Threshold {
   static constexpr bool kGradLeads = false;
   static constexpr bool kReadsResult = false;
   static constexpr bool kInplaceReadsResult = false;
+  static constexpr bool kTangentAddsZero = true;
   template <typename T>
   struct Params {
     OpMath<T> threshold;
@@ -294,6 +302,7 @@ struct Hardsigmoid {
   static constexpr bool kGradLeads = true;
   static constexpr bool kReadsResult = false;
   static constexpr bool kInplaceReadsResult = false;
+  static constexpr bool kTangentAddsZero = false;
   // The clamp's bounds 0 and 6, as values: given constants, GCC turns the
   // clamp and the division into compares, masked selects and a masked
   // division, which made the CPU's training forward 1.5x PyTorch's time.

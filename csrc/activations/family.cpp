@@ -294,6 +294,14 @@ struct Family<Act, std::index_sequence<I...>> {
     return to_layout(bwd_op().call(to_layout(grad, sizes, strides), mask, a[I]...), sizes, want);
   }
 
+  // grad_in's tangent: grad's tangent through the mask (grad_in is linear in grad), plus zeros where
+  // PyTorch's backward op's forward derivative adds them (kTangentAddsZero: -0.0 becomes +0.0).
+  static at::Tensor masked_tangent(const at::Tensor& grad_t, const at::Tensor& mask, c10::SymIntArrayRef sizes,
+                                   c10::SymIntArrayRef strides, c10::SymIntArrayRef self_strides, const ActArgs& a) {
+    at::Tensor t = masked(grad_t, mask, sizes, strides, self_strides, a);
+    return Act::kTangentAddsZero ? at::add(at::zeros_like(t), t) : t;
+  }
+
   static NodePtr make_node(ag::edge_list edges, const at::Tensor& mask, c10::SymIntArrayRef sizes, SymStrides strides,
                            SymStrides self_strides, const ActArgs& a, Reads reads) {
     NodePtr node = new_node<MaskBackward<Act>>();
@@ -319,7 +327,8 @@ struct Family<Act, std::index_sequence<I...>> {
       out = masked(grad, mask, sizes, strides, self_strides, a);
     }
     if (ag::isFwGradDefined(grad)) {
-      out._set_fw_grad(masked(grad._fw_grad(0), mask, sizes, strides, self_strides, a), 0, /*is_inplace_op=*/false);
+      out._set_fw_grad(masked_tangent(grad._fw_grad(0), mask, sizes, strides, self_strides, a), 0,
+                       /*is_inplace_op=*/false);
     }
     auto edges = ag::collect_next_edges(grad);
     edges.push_back(std::move(read));
@@ -446,7 +455,9 @@ struct Family<Act, std::index_sequence<I...>> {
     if (!needs && !tangent) return out;
     const ActArgs a = args(s...);
     auto strides = mask_strides(grad);
-    if (tangent) out._set_fw_grad(masked(grad._fw_grad(0), mask, grad.sym_sizes(), strides, strides, a), 0, false);
+    if (tangent) {
+      out._set_fw_grad(masked_tangent(grad._fw_grad(0), mask, grad.sym_sizes(), strides, strides, a), 0, false);
+    }
     if (needs) {
       ag::set_history(out, make_node(ag::collect_next_edges(grad), mask, grad.sym_sizes(), strides, strides, a,
                                      Reads::kNothing));

@@ -169,6 +169,13 @@ at::Tensor dense(const at::Tensor& t) {
 
 at::Tensor to_layout(const at::Tensor& t, c10::SymIntArrayRef sizes, c10::SymIntArrayRef strides) {
   if (t.sym_sizes() == sizes && t.sym_strides() == strides) return t;
+  // Under vmap a sample's strides are its view into the batch (not dense where the batch dimension is
+  // not the first): kept where they walk memory in the order asked for, and the vmap rule lays out the
+  // batch as PyTorch's batch rule does (registrations.py), as it would not from a batch-first copy.
+  if (t.sym_sizes() == sizes && t.key_set().has(c10::DispatchKey::FuncTorchBatched) &&
+      same_order(sizes, mask_strides(t), strides)) {
+    return t;
+  }
   return t.new_empty_strided_symint(sizes, strides).copy_(t);
 }
 

@@ -41,7 +41,7 @@ SymStrides mask_strides(const at::Tensor& x);
 // `t` itself when it is dense, else a dense copy laid out as empty_like(t).
 at::Tensor dense(const at::Tensor& t);
 
-// `t` with these sizes and strides: itself, or a copy (which also
+// `t` with these sizes and strides (a vmapped sample: in that memory order): itself, or a copy (which also
 // broadcasts, so that a node called by hand with a scalar gradient works as
 // PyTorch's nodes do). Differentiable.
 at::Tensor to_layout(const at::Tensor& t, c10::SymIntArrayRef sizes, c10::SymIntArrayRef strides);

@@ -230,6 +230,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pybind11::arg("name"), pybind11::arg("x"),
       "The strides of relu_ext::<name>(x)'s output, PyTorch's (for the fake kernels; symbolic under tracing).");
   m.def(
+      "backward_strides",
+      [](const std::string& name, c10::SymIntArrayRef sizes, c10::SymIntArrayRef grad, c10::SymIntArrayRef self) {
+#define X(Act)                                                                                        \
+  if (name == Act::kName) {                                                                           \
+    return Act::kGradLeads ? iterator_strides(sizes, {grad, self}) : iterator_strides(sizes, {self, grad}); \
+  }
+        RELU_EXT_ACTIVATIONS(X)
+#undef X
+        TORCH_CHECK_VALUE(false, "relu_ext: no activation '", name, "'");
+      },
+      pybind11::arg("name"), pybind11::arg("sizes"), pybind11::arg("grad"), pybind11::arg("self"),
+      "The strides PyTorch's backward of relu_ext::<name> gives grad_in for a grad and the tensor that "
+      "backward reads (its input or output) of these sizes and strides, in its operand order (for the vmap rules).");
+  m.def(
       "activation_table",
       [] {
         std::vector<std::tuple<std::string, std::string, std::vector<std::string>>> rows;

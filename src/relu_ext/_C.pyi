@@ -63,6 +63,11 @@ def output_strides(name: str, x: Tensor) -> list[int]:
     """The strides of relu_ext::<name>(x)'s output: PyTorch's for its op (the
     fake kernels lay out their outputs so; symbolic while tracing)."""
 
+def backward_strides(name: str, sizes: Sequence[int], grad: Sequence[int], self: Sequence[int]) -> list[int]:
+    """The strides PyTorch's backward of relu_ext::<name> gives grad_in, for a grad and the tensor that
+    backward reads (its input or output) of these sizes and strides, in its operand order (the vmap
+    rules lay out a batch's grad_in so)."""
+
 def install_targets() -> list[str]:
     """The aten ops install() can take over, by name: 'relu' and the family's."""
 

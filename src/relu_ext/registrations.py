@@ -144,8 +144,11 @@ def _register_activation(name: str) -> None:
     def fwd_vmap(info: Any, in_dims: tuple, x: Tensor, *args: Any) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
         d = in_dims[0]
         results = _per_sample(info.batch_size, lambda b: fwd(x.select(d, b), *args))
-        y = torch.stack([r[0] for r in results]) if results else x.movedim(d, 0).clone()
-        return (y, _stacked_masks([r[1] for r in results], x, d)), (0, 0)
+        # Laid out as PyTorch's batch rule gives it: the op on the whole batch, its dimension where it was.
+        y = output(x)
+        for b, r in enumerate(results):
+            y.select(d, b).copy_(r[0])
+        return (y, _stacked_masks([r[1] for r in results], x, d)), (d, 0)
 
     def fwd_inplace_vmap(info: Any, in_dims: tuple, x: Tensor, *args: Any) -> tuple[Tensor, int]:
         d = in_dims[0]
@@ -159,9 +162,17 @@ def _register_activation(name: str) -> None:
             lambda b: bwd(grad if gd is None else grad.select(gd, b),
                           mask if md is None else mask.select(md, b).contiguous(), *args),
         )
-        if out:
-            return torch.stack(out), 0
-        return (grad.unsqueeze(0)[:0] if gd is None else grad.movedim(gd, 0)).clone(), 0
+        if not out:
+            return (grad.unsqueeze(0)[:0] if gd is None else grad.movedim(gd, 0)).clone(), 0
+        # Laid out as PyTorch's batch rule gives it: the op on the whole batch, batch dimension first, over
+        # grad and the tensor the backward reads, whose layout each sample's grad_in has (a stand-in:
+        # its batch dimension orders nothing, as when that tensor is not batched).
+        g = grad.movedim(gd, 0) if gd is not None else grad.unsqueeze(0).expand(info.batch_size, *grad.shape)
+        size = (info.batch_size, *out[0].shape)
+        result = grad.new_empty_strided(size, _C.backward_strides(name, size, g.stride(), (0, *out[0].stride())))
+        for b, o in enumerate(out):
+            result[b].copy_(o)
+        return result, 0
 
     torch.library.register_vmap(op)(public_vmap)
     torch.library.register_vmap(f"{op}_")(public_inplace_vmap)

@@ -16,7 +16,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import relu_ext
-from cases import ONE_PER_OP, REPRESENTATIVES, Case, run_case
+from cases import BY_ID, FUNC_CASES, ONE_PER_OP, REPRESENTATIVES, Case, run_case, with_edges
 from conftest import DEVICES, adversarial, assert_bitwise_equal
 
 pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
@@ -42,8 +42,11 @@ def _act(impl: str, inplace: bool) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _assert_same(actual, expected, what: str) -> None:
+    """Bit for bit and, for every tensor, in PyTorch's strides."""
     if isinstance(expected, torch.Tensor):
         assert_bitwise_equal(actual, expected, what)
+        assert actual.numel() <= 1 or actual.stride() == expected.stride(), \
+            f"{what}: strides {actual.stride()} != {expected.stride()}"
     elif isinstance(expected, dict):
         assert actual.keys() == expected.keys(), what
         for k in expected:
@@ -117,6 +120,58 @@ def test_vmap_sample_layouts_and_empty_batch(device):
             _assert_same(vmap(act, in_dims=d)(x), vmap(ref, in_dims=d)(x), f"vmap {name}")
         f_ext, f_ref = _scalar_fn(relu_ext.relu), _scalar_fn(torch.relu)
         _assert_same(vmap(grad(f_ext), in_dims=d)(x), vmap(grad(f_ref), in_dims=d)(x), f"vmap(grad) {name}")
+
+
+# The quick tier runs relu; --rest every other op (its rules are one function over the table).
+@pytest.mark.quick(cover=())
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", FUNC_CASES)
+def test_vmap_layouts_of_every_op(device, case):
+    """Each op's vmap rules lay out a batch as PyTorch's batch rules do, strides included: the
+    output where the batch dimension was, grad_in over grad and the tensor the backward reads
+    (transposed, channels_last, a batch dimension in the middle or innermost, a non-dense view;
+    vmap of grad and of vjp, and jacrev, whose gradients are batched and the mask is not)."""
+    c = BY_ID[case]
+    base = with_edges(torch.randn(360, dtype=torch.float64, generator=torch.Generator().manual_seed(2)),
+                      c.args).view(4, 3, 5, 6).to(device)
+    layouts = {"channels_last": (base.contiguous(memory_format=torch.channels_last), 0), "bdim_2": (base, 2),
+               "strided": (base[:, :, ::2], 1), "innermost": (base.reshape(4, 90).t(), 0),
+               "permuted": (base.permute(2, 0, 3, 1), 1)}
+    refused = c.op == "leaky_relu" and c.args[0] < 0  # (both refuse the in-place form's backward: test_family)
+    for inplace in (False,) if refused else (False, True):
+        results = {}
+        for impl in ("relu_ext", "torch"):
+            f = lambda t, impl=impl: run_case(c, impl, t * 1 if inplace else t, inplace)  # noqa: E731
+            scalar = lambda t, f=f: (f(t) * t.sin()).sum()  # noqa: E731
+            results[impl] = [vmap(f, in_dims=d)(x) for x, d in layouts.values()]
+            results[impl] += [vmap(grad(scalar), in_dims=d)(x) for x, d in layouts.values()]
+            results[impl] += [vmap(lambda t, f=f: vjp(f, t)[1](t.cos())[0], in_dims=d)(x) for x, d in layouts.values()]
+            results[impl] += [jacrev(f)(x[0]) for x, _ in list(layouts.values())[:1]]
+        _assert_same(results["relu_ext"], results["torch"], f"{case} inplace={inplace}")
+
+
+# (Not hardsigmoid: PyTorch has no forward derivative for hardsigmoid_backward, it raises; relu_ext gives one.
+# The quick tier runs relu; --rest every other op.)
+@pytest.mark.quick(cover=())
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [c for c in FUNC_CASES if BY_ID[c].op != "hardsigmoid"])
+def test_forward_over_reverse_keeps_pytorchs_signed_zeros(device, case):
+    """jvp of a gradient and torch.func.hessian (forward over reverse): grad_in's tangent is grad's
+    tangent through the mask, and for threshold_backward's ops (relu, threshold) PyTorch's formula adds
+    zeros to it, so that a -0.0 comes out +0.0. Finite inputs with values at the thresholds (at a NaN
+    PyTorch's hardtanh formula drops the tangent, which a mask bit cannot tell: docs/design.md)."""
+    c = BY_ID[case]
+    x = with_edges(torch.randn(40, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 4,
+                   c.args).to(device)
+    v = torch.randn(40, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).to(device)
+    v[::3] = 0.0  # (cos(t) * 0 is -0.0 where cos(t) < 0)
+    assert ((x[:12] > 1) & (x[:12].cos() < 0)).any() and ((x > 1) & (x.cos() < 0) & (v == 0)).any()
+    results = {}
+    for impl in ("relu_ext", "torch"):
+        # cos(t) < 0 at some kept elements: the tangent there is -0.0 off the diagonal.
+        scalar = lambda t, impl=impl: (run_case(c, impl, t) * t.sin()).sum()  # noqa: E731
+        results[impl] = [jvp(grad(scalar), (x,), (v,))[1], hessian(scalar)(x[:12])]
+    _assert_same(results["relu_ext"], results["torch"], case)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # long call is its best after an untimed one, four sleeps. 1,026 -> 1,028: random nets against
 # PyTorch, one group of eight small nets of each kind, about a second each. 1,028 -> 1,032:
 # hardtanh with a NaN bound, each dtype once, milliseconds each. 1,032 -> 1,034: 16-bit hardtanh
-# bounds that round to zero.)
-QUICK_TIER_BOUND = 1034
+# bounds that round to zero. 1,034 -> 1,036: vmap layouts and forward-over-reverse signed zeros,
+# relu's case of each.)
+QUICK_TIER_BOUND = 1036
 
 
 def _collected(*args: str) -> list[str]:
