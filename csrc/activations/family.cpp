@@ -288,8 +288,7 @@ struct Family<Act, std::index_sequence<I...>> {
   static at::Tensor masked(const at::Tensor& grad, const at::Tensor& mask, c10::SymIntArrayRef sizes,
                            c10::SymIntArrayRef strides, c10::SymIntArrayRef self_strides, const ActArgs& a) {
     const at::Tensor g = grad.sym_sizes() == sizes ? grad : grad.expand_symint(sizes);  // a scalar broadcasts
-    const SymStrides want = Act::kGradLeads ? iterator_strides(sizes, {g.sym_strides(), self_strides})
-                                            : iterator_strides(sizes, {self_strides, g.sym_strides()});
+    const SymStrides want = grad_in_strides<Act>(sizes, g.sym_strides(), self_strides);
     if (same_order(sizes, want, strides)) return bwd_op().call(to_layout(grad, sizes, want), mask, a[I]...);
     return to_layout(bwd_op().call(to_layout(grad, sizes, strides), mask, a[I]...), sizes, want);
   }

@@ -23,6 +23,13 @@ using SymStrides = std::vector<c10::SymInt>;
 // (hardtanh_backward takes grad_output first, threshold_backward self).
 SymStrides iterator_strides(c10::SymIntArrayRef sizes, std::initializer_list<c10::SymIntArrayRef> inputs);
 
+// The strides PyTorch's backward of activation Act gives grad_in: iterator_strides over grad and the
+// tensor that backward reads (`self`), in Act's operand order (kGradLeads, activations.h).
+template <typename Act>
+SymStrides grad_in_strides(c10::SymIntArrayRef sizes, c10::SymIntArrayRef grad, c10::SymIntArrayRef self) {
+  return Act::kGradLeads ? iterator_strides(sizes, {grad, self}) : iterator_strides(sizes, {self, grad});
+}
+
 // A unary op's output on x, laid out as TensorIterator lays it out
 // (iterator_strides with x alone), or with `like_input` as empty_like(x)
 // (hardtanh allocates its output so); and its strides (for the fake kernels).

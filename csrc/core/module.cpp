@@ -232,10 +232,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "backward_strides",
       [](const std::string& name, c10::SymIntArrayRef sizes, c10::SymIntArrayRef grad, c10::SymIntArrayRef self) {
-#define X(Act)                                                                                        \
-  if (name == Act::kName) {                                                                           \
-    return Act::kGradLeads ? iterator_strides(sizes, {grad, self}) : iterator_strides(sizes, {self, grad}); \
-  }
+#define X(Act) \
+  if (name == Act::kName) return grad_in_strides<Act>(sizes, grad, self);
         RELU_EXT_ACTIVATIONS(X)
 #undef X
         TORCH_CHECK_VALUE(false, "relu_ext: no activation '", name, "'");

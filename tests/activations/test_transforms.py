@@ -102,17 +102,19 @@ def test_vmap_of_a_grad_requiring_input(device, inplace):
     _assert_same(results["relu_ext"], results["torch"], "vmap with autograd outside")
 
 
+def _batch_layouts(base: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+    """Batches of 4-D `base` (4, 3, 5, 6) with their batch dimension (in_dims): channels_last samples,
+    a batch dimension in the middle, a non-dense view, the batch dimension innermost, a permutation."""
+    return {"channels_last": (base.contiguous(memory_format=torch.channels_last), 0), "bdim_2": (base, 2),
+            "strided": (base[:, :, ::2], 1), "innermost": (base.reshape(4, 90).t(), 0),
+            "permuted": (base.permute(2, 0, 3, 1), 1)}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_vmap_sample_layouts_and_empty_batch(device):
-    """Per-sample masks whatever the batch layout: channels_last samples, a
-    batch dimension in the middle, a non-dense view, and an empty batch."""
+    """Per-sample masks whatever the batch layout (_batch_layouts), and an empty batch."""
     base = adversarial(4 * 3 * 5 * 6, torch.float32, device, seed=3).view(4, 3, 5, 6)
-    cases = {
-        "channels_last": (base.contiguous(memory_format=torch.channels_last), 0),
-        "bdim_2": (base, 2),
-        "strided": (base[:, :, ::2], 1),
-        "empty": (base[:0], 0),
-    }
+    cases = {**_batch_layouts(base), "empty": (base[:0], 0)}
     for name, (x, d) in cases.items():
         # In place on t * 1 against torch on t * 1: on a GPU the product quiets NaN payloads.
         for act, ref in ((relu_ext.relu, torch.relu),
@@ -134,9 +136,7 @@ def test_vmap_layouts_of_every_op(device, case):
     c = BY_ID[case]
     base = with_edges(torch.randn(360, dtype=torch.float64, generator=torch.Generator().manual_seed(2)),
                       c.args).view(4, 3, 5, 6).to(device)
-    layouts = {"channels_last": (base.contiguous(memory_format=torch.channels_last), 0), "bdim_2": (base, 2),
-               "strided": (base[:, :, ::2], 1), "innermost": (base.reshape(4, 90).t(), 0),
-               "permuted": (base.permute(2, 0, 3, 1), 1)}
+    layouts = _batch_layouts(base)
     refused = c.op == "leaky_relu" and c.args[0] < 0  # (both refuse the in-place form's backward: test_family)
     for inplace in (False,) if refused else (False, True):
         results = {}
@@ -146,7 +146,7 @@ def test_vmap_layouts_of_every_op(device, case):
             results[impl] = [vmap(f, in_dims=d)(x) for x, d in layouts.values()]
             results[impl] += [vmap(grad(scalar), in_dims=d)(x) for x, d in layouts.values()]
             results[impl] += [vmap(lambda t, f=f: vjp(f, t)[1](t.cos())[0], in_dims=d)(x) for x, d in layouts.values()]
-            results[impl] += [jacrev(f)(x[0]) for x, _ in list(layouts.values())[:1]]
+            results[impl].append(jacrev(f)(layouts["channels_last"][0][0]))
         _assert_same(results["relu_ext"], results["torch"], f"{case} inplace={inplace}")
 
 
