@@ -3,6 +3,7 @@
 // functions, install / uninstall (install.cpp), and the Python types of the
 // backward nodes (so that grad_fn prints as ReluExtBackward0 etc. and exposes
 // its saved mask, like PyTorch's own nodes).
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
@@ -198,9 +199,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TORCH_CHECK_VALUE(y.device().is_cpu(), "relu_ext._C.compact_now: y is on ", y.device(),
                           "; it reads compact's count of missed elements on the host, so it takes CPU tensors only");
         const pybind11::gil_scoped_release no_gil;
+        // Below autograd: what it makes is never differentiated (the pack hook keeps it, with grad mode off).
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
         if (mask.has_value()) {
           auto [values, missed] = compact_op().call(y, *mask);
-          if (missed.item<int64_t>() == 0) return std::make_tuple(values, *mask, true);
+          if (*missed.const_data_ptr<int64_t>() == 0) return std::make_tuple(values, *mask, true);
         }
         at::Tensor own = nonzero_mask_op().call(y);
         return std::make_tuple(std::get<0>(compact_op().call(y, own)), own, false);
@@ -212,10 +215,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "expand",
       [](const at::Tensor& values, const at::Tensor& mask, c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
         const pybind11::gil_scoped_release no_gil;
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;  // (as compact_now: a saved tensor, rebuilt)
         return expand_op().call(values, mask, size, stride, false);
       },
       pybind11::arg("values"), pybind11::arg("mask"), pybind11::arg("size"), pybind11::arg("stride"),
       "relu_ext::expand(values, mask, size, stride, False): the tensor values and mask were compacted from.");
+  m.def(
+      "dense_at_least",
+      [](const at::Tensor& t, int64_t numel) {
+        return t.layout() == at::kStrided && !t.is_nested() && (t.is_cpu() || t.is_cuda()) && t.numel() >= numel &&
+               t.is_non_overlapping_and_dense();
+      },
+      pybind11::arg("t"), pybind11::arg("numel"),
+      "Whether t is a strided (not nested) CPU or CUDA tensor of at least `numel` elements that fills a block of "
+      "memory exactly once, in any order of dimensions.");
   m.def("bits_sum", &bits_sum_cpu, pybind11::arg("t"),
         "The sum of a dense CPU tensor's bytes as 64-bit words from its first element, modulo 2**64 (as an int64).");
   m.def(

@@ -55,6 +55,10 @@ def expand(values: Tensor, mask: Tensor, size: Sequence[int], stride: Sequence[i
     """relu_ext::expand(values, mask, size, stride, False) through the C++ dispatcher (save_compact's
     unpack hook): the tensor `values` and `mask` were compacted from, laid out as size / stride."""
 
+def dense_at_least(t: Tensor, numel: int) -> bool:
+    """Whether `t` is a strided (not nested) CPU or CUDA tensor of at least `numel` elements that fills a
+    block of memory exactly once, in any order of dimensions (save_compact's pack hook)."""
+
 def bits_sum(t: Tensor) -> int:
     """The sum of a dense CPU tensor's bytes as 64-bit words from its first element, modulo 2**64, as
     an int64 (the fingerprint of a remade tensor's rebuild). RuntimeError for another tensor."""

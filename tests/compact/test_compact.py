@@ -4,6 +4,7 @@ other saved tensor as usual, with PyTorch's in-place check."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -309,6 +310,51 @@ def test_a_tensor_kept_as_it_is_is_counted_once_per_tensor():
     assert_bitwise_equal(sc.unpack_hook(second), x)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         sc.unpack_hook(first)
+
+
+def test_views_of_a_parameter_are_counted_as_it_once():
+    """Every view of a leaf that requires grad (a parameter: a Linear's ``weight.t()``, a slice of
+    it), however many nodes save one, is counted as that leaf once, held outside the graph (the
+    graph holds its storage); a frozen parameter no node made, held by its module when the block
+    exits, is held outside too. Each is restored as the view it was, with PyTorch's gradients."""
+    torch.manual_seed(0)
+    w, frozen = torch.nn.Parameter(torch.randn(96, 64)), torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def loss() -> torch.Tensor:  # w.t() twice (tied), a slice of w, frozen saved by mm
+        return (F.linear(x, w).sum() + F.linear(torch.relu(x), w).pow(2).sum() + (x @ w[:64].t()).sum()
+                + torch.mm(x, frozen).sum())
+
+    expected = torch.autograd.grad(loss(), (x, w))
+    with relu_ext.save_compact() as sc:
+        out = loss()
+    for got, want in zip(torch.autograd.grad(out, (x, w)), expected):
+        assert_bitwise_equal(got, want)
+    apart = x.nbytes + w.nbytes + frozen.nbytes
+    assert sc.report().splitlines()[-1] == (f"  held outside the graph: 3 tensors, {apart / 1024:.2f} KiB "
+                                            "(parameters, buffers, inputs and views of them)"), sc.report()
+
+
+def test_dense_at_least_is_plain_dense():
+    """_C.dense_at_least (the pack hook's test of a tensor it may keep smaller) says what bits._is_dense
+    and a count of elements say, layout by layout; a nested tensor is never taken."""
+    from relu_ext.compact.bits import _is_dense
+
+    base = torch.randn(4, 6, 8, 10)
+    layouts = {"contiguous": base, "transposed": base.transpose(1, 3),
+               "channels_last": base.contiguous(memory_format=torch.channels_last),
+               "permuted": base.permute(2, 0, 3, 1), "sliced": base[:, :3], "stepped": base[..., ::2],
+               "expanded": base[:, :1].expand(4, 6, 8, 10),
+               "size_one_odd_stride": torch.randn(320).as_strided((4, 1, 80), (80, 7, 1)),
+               "offset": torch.randn(1930)[10:].view(4, 480), "one_dim_strided": torch.randn(200)[::2]}
+    for layout, t in layouts.items():
+        for numel in (0, t.numel(), t.numel() + 1):
+            assert _C.dense_at_least(t, numel) == (_is_dense(t) and t.numel() >= numel), (layout, numel)
+    assert sum(_is_dense(t) for t in layouts.values()) == 6  # (the layouts above: both answers occur)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (nested tensors' prototype warning)
+        nested = torch.nested.nested_tensor([torch.randn(8, 4), torch.randn(8, 4)])
+    assert not _C.dense_at_least(nested, 0)
 
 
 def test_dense_outputs_stay_dense(monkeypatch):

@@ -199,23 +199,23 @@ class Compacted(_Shared):
     missed_as = "unsupported"  # (changed in place before it was compacted)
 
     def __init__(self, t: Tensor, mask: Tensor | None, limit: float) -> None:
+        # (Made with autograd off, see hooks._Packer._form: the ops below record nothing, `t` undetached.)
         super().__init__(t, 0)
-        y = t.detach()
         self.shared = mask is not None
         self.limit = limit  # the most bytes it may hold
         self.values: Tensor | None = None
         self.ends: Tensor | None = None
-        self.size, self.stride = y.size(), y.stride()
-        if Deferred.at_once(y):
+        self.size, self.stride = t.size(), t.stride()
+        if Deferred.at_once(t):
             self.mask = mask  # (None: now() makes the bitmap)
         else:
-            self.mask = mask if mask is not None else _ops.nonzero_mask(y)
-            self.ends = _ops.compact_count(y, self.mask)
+            self.mask = mask if mask is not None else _ops.nonzero_mask(t)
+            self.ends = _ops.compact_count(t, self.mask)
 
     def now(self, t: Tensor) -> bool:
         """Compact `t` at once (where Deferred.at_once: no count made), by its node's mask where that
         restores it, else by its own bitmap: whether that saves enough."""
-        values, self.mask, self.shared = _C.compact_now(t.detach(), self.mask)
+        values, self.mask, self.shared = _C.compact_now(t, self.mask)
         cost = values.nbytes + (0 if self.shared else self.mask.nbytes)
         if cost > self.limit:
             return False

@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch.nn import Parameter
 
 from .bits import _is_dense
 from .deferred import Deferred
@@ -250,18 +249,35 @@ class _Packer:
         """pack(), under the lock: a view saved as its base where it stands for it."""
         self.poll()
         base = t._base
-        if base is not None and _alias(t, base):
+        if base is None:
+            return self._pack(t)
+        fn = base.grad_fn
+        if fn is None and base.requires_grad:
+            return self._of_leaf(t, base)
+        if _alias(t, base):
             t = base  # (FSDP2 passes a module's inputs through a Function that returns views of them)
-        elif base is not None and _node_name(base.grad_fn) in FORMS_BY_NODE and _whole_view(t, base):
+        elif _node_name(fn) in FORMS_BY_NODE and _whole_view(t, base):
             # (A Linear on a 3-D tensor keeps a 2-D view of it: kept as that tensor, in its form.)
             packed = self._pack(base)
-            if not isinstance(packed, _Dense):
-                return _ViewOf(packed, t, base)
-            dense = _Dense(t)
-            if self.recompute and t.grad_fn is not None:
-                _note_kept(t, dense)  # (as for any tensor saved as it is: a later recipe may read it)
-            return dense
+            return _ViewOf(packed, t, base) if not isinstance(packed, _Dense) else self._as_is(t)
         return self._pack(t)
+
+    def _of_leaf(self, t: Tensor, base: Tensor) -> _Dense:
+        """View `t` of a leaf that requires grad (a parameter: a Linear keeps its ``weight.t()``), saved as
+        it is and counted as that leaf, once however many views of it are saved: the graph holds the
+        leaf's storage, which is held outside it anyway. No row takes such a tensor."""
+        if self.cache.get(base) is None:
+            self._count_kept(base, "not_activation")
+            self.cache.put(base, _Cached(base._version, _Dense(base), True))
+        return self._as_is(t)
+
+    def _as_is(self, t: Tensor) -> _Dense:
+        """View `t`, counted as its base, saved as it is: noted on its node, as any tensor saved as it is
+        (a later recipe may read it)."""
+        dense = _Dense(t)
+        if self.recompute and t.grad_fn is not None:
+            _note_kept(t, dense)
+        return dense
 
     def _pack(self, t: Tensor) -> Any:
         """`t`, no view standing for its base, in its form: each form made once per tensor and version,
@@ -305,16 +321,19 @@ class _Packer:
 
     def _count_kept(self, t: Tensor, why: str) -> None:
         """Count `t`, saved as it is for `why` (once however many nodes save it: see _pack)."""
-        base = t._base if t._base is not None else t
-        # Held outside the graph: a parameter, a view of one, another leaf that requires grad; and
-        # what no node made that something else still holds when the block exits (a buffer, the
-        # step's input: see exit). What the step made without autograd (BatchNorm's saved mean)
-        # only the graph holds by then.
+        base = t._base
+        if base is None:
+            base = t
+        # Held outside the graph: a leaf that requires grad (a parameter), a view of one; and what
+        # no node made that something else still holds when the block exits (a frozen parameter, a
+        # buffer, the step's input: see exit). What the step made without autograd (BatchNorm's
+        # saved mean) only the graph holds by then.
+        nbytes = t.nbytes
         outside = why == "not_activation" and base.grad_fn is None
-        leaf = outside and (base.requires_grad or isinstance(base, Parameter))
-        self.stats.keep(why, t.nbytes, leaf)
+        leaf = outside and base.requires_grad
+        self.stats.keep(why, nbytes, leaf)
         if outside and not leaf:
-            self.unmade.append((weakref.ref(base), t.nbytes))
+            self.unmade.append((weakref.ref(base), nbytes))
 
     def _form(self, t: Tensor, rows: list[Row]) -> _Shared | None:
         """`t` in the form of the first of `rows` (those of FORMS that apply to it) that can be made and

@@ -17,7 +17,8 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from .bits import _bool_bits, _is_dense, _same_bits_later
+from .. import _C
+from .bits import _bool_bits, _same_bits_later
 from .deferred import Deferred
 from .forms import (EPS_BY_WEIGHT, LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade,
                     RemadeNorm, Replayed, TwoValued, _Dense, _eps_probes, _gathered, _Shared, run_as_forward)
@@ -497,8 +498,7 @@ def _two_valued(t: Tensor, packer: Packing) -> Made:
 def _plain_dense(t: Tensor) -> bool:
     """Whether `t` is a plain strided tensor (no subclass) on the CPU or CUDA, of at least 4096
     elements, that fills a block of memory exactly once: what narrowing and bitmaps take."""
-    return (t.numel() >= _MIN_NUMEL and type(t) is torch.Tensor and t.layout == torch.strided
-            and (t.is_cpu or t.is_cuda) and _is_dense(t))
+    return type(t) is torch.Tensor and _C.dense_at_least(t, _MIN_NUMEL)
 
 
 def _worth_keeping_smaller(t: Tensor) -> bool:
