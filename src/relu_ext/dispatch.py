@@ -233,6 +233,8 @@ def _checkpoint_of(pack_hook: Callable[..., Any]) -> tuple[str, Any] | None:
     The frame is found in the hook's closure (``frame`` in the forward's hook,
     ``target_frame_ref`` in the recomputation's), as torch 2.11 to 2.15 write them.
     """
+    if getattr(pack_hook, "__module__", None) != "torch.utils.checkpoint":
+        return None  # (first, as it is cheap: functools.wraps copies __module__ to a wrapper)
     fn = inspect.unwrap(pack_hook)
     if getattr(fn, "__module__", None) != "torch.utils.checkpoint" or not fn.__closure__:
         return None
@@ -254,7 +256,8 @@ _SELECTIVE_MODES = tuple(
 
 def _selective_checkpointing() -> bool:
     """Whether selective checkpointing runs now (one of its modes is on the stack)."""
-    return any(isinstance(m, _SELECTIVE_MODES) for m in _get_current_dispatch_mode_stack())
+    return torch._C._len_torch_dispatch_stack() > 0 and any(
+        isinstance(m, _SELECTIVE_MODES) for m in _get_current_dispatch_mode_stack())
 
 
 def _probe(op: str, installed: bool) -> bool:

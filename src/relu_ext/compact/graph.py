@@ -130,12 +130,14 @@ def _after_batchnorm(fn: Any) -> bool:
     Checked on torch 2.11, 2.14.1 and 2.15.0."""
     if fn.name() not in _ACTIVATION_NODES:
         return False
-    prev = fn.next_functions[0][0] if fn.next_functions else None
+    nexts = fn.next_functions  # (a new tuple each time it is read)
+    prev = nexts[0][0] if nexts else None
     if prev is None:
         return False
-    if prev.name() in _BN_NODES:
+    name = prev.name()
+    if name in _BN_NODES:
         return True
-    return prev.name() == "AddBackward0" and any(f is not None and f.name() in _BN_NODES for f, _ in prev.next_functions)
+    return name == "AddBackward0" and any(f is not None and f.name() in _BN_NODES for f, _ in prev.next_functions)
 
 
 def _is_batchnorm(fn: Any) -> bool:
