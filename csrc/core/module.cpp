@@ -5,6 +5,7 @@
 // its saved mask, like PyTorch's own nodes).
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -110,6 +111,9 @@ std::vector<std::string> scalar_names(const std::string& op) {
 }
 
 }  // namespace
+
+void register_as_is(pybind11::module_& m);  // (csrc/compact/as_is.cpp)
+
 }  // namespace relu_ext
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -220,6 +224,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       pybind11::arg("values"), pybind11::arg("mask"), pybind11::arg("size"), pybind11::arg("stride"),
       "relu_ext::expand(values, mask, size, stride, False): the tensor values and mask were compacted from.");
+  // The replay's ops, called once per replayed tensor when saved (bn_terms, bn_act_verify) and in
+  // backward (bn_act_rebuild): as compact_now, below autograd (their inputs are detached).
+  m.def(
+      "bn_terms",
+      [](const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,
+         const at::Tensor& var, bool training, double eps, pybind11::handle dtype) {
+        TORCH_CHECK_TYPE(THPDtype_Check(dtype.ptr()), "relu_ext._C.bn_terms: dtype must be a torch.dtype, got ",
+                         Py_TYPE(dtype.ptr())->tp_name);
+        const at::ScalarType scalar_type = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+        const pybind11::gil_scoped_release no_gil;
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
+        return bn_terms_op().call(weight, bias, mean, var, training, eps, scalar_type);
+      },
+      pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("mean"), pybind11::arg("var"),
+      pybind11::arg("training"), pybind11::arg("eps"), pybind11::arg("dtype"),
+      "relu_ext::bn_terms through the C++ dispatcher: a BatchNorm's per-channel (alpha, beta).");
+  m.def(
+      "bn_act_verify",
+      [](const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const std::string& act,
+         const std::vector<double>& args, const at::Tensor& y, const std::optional<at::Tensor>& x2,
+         const std::optional<at::Tensor>& alpha2, const std::optional<at::Tensor>& beta2) {
+        const pybind11::gil_scoped_release no_gil;
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
+        return bn_act_verify_op().call(x, alpha, beta, act, args, y, x2, alpha2, beta2);
+      },
+      pybind11::arg("x"), pybind11::arg("alpha"), pybind11::arg("beta"), pybind11::arg("act"), pybind11::arg("args"),
+      pybind11::arg("y"), pybind11::arg("x2") = pybind11::none(), pybind11::arg("alpha2") = pybind11::none(),
+      pybind11::arg("beta2") = pybind11::none(),
+      "relu_ext::bn_act_verify through the C++ dispatcher: the flag that the replay differs from y.");
+  m.def(
+      "bn_act_rebuild",
+      [](const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const std::string& act,
+         const std::vector<double>& args, const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& alpha2,
+         const std::optional<at::Tensor>& beta2) {
+        const pybind11::gil_scoped_release no_gil;
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
+        return bn_act_rebuild_op().call(x, alpha, beta, act, args, x2, alpha2, beta2);
+      },
+      pybind11::arg("x"), pybind11::arg("alpha"), pybind11::arg("beta"), pybind11::arg("act"), pybind11::arg("args"),
+      pybind11::arg("x2") = pybind11::none(), pybind11::arg("alpha2") = pybind11::none(),
+      pybind11::arg("beta2") = pybind11::none(),
+      "relu_ext::bn_act_rebuild through the C++ dispatcher: the activation output the replay rebuilds.");
   m.def(
       "dense_at_least",
       [](const at::Tensor& t, int64_t numel) {
@@ -294,4 +340,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #define X(Act) register_node<Act>(m);
   RELU_EXT_ACTIVATIONS(X)
 #undef X
+  register_as_is(m);
 }

@@ -5,6 +5,7 @@ The ops themselves are reached as ``torch.ops.relu_ext.*``.
 
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import Tensor
 
 with_cuda: bool
@@ -55,6 +56,19 @@ def expand(values: Tensor, mask: Tensor, size: Sequence[int], stride: Sequence[i
     """relu_ext::expand(values, mask, size, stride, False) through the C++ dispatcher (save_compact's
     unpack hook): the tensor `values` and `mask` were compacted from, laid out as size / stride."""
 
+def bn_terms(weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, training: bool, eps: float,
+             dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """relu_ext::bn_terms through the C++ dispatcher, below autograd (save_compact's replay): a
+    BatchNorm's per-channel (alpha, beta) for outputs of `dtype`."""
+
+def bn_act_verify(x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: Sequence[float], y: Tensor,
+                  x2: Tensor | None = None, alpha2: Tensor | None = None, beta2: Tensor | None = None) -> Tensor:
+    """relu_ext::bn_act_verify through the C++ dispatcher, below autograd (save_compact's pack hook)."""
+
+def bn_act_rebuild(x: Tensor, alpha: Tensor, beta: Tensor, act: str, args: Sequence[float],
+                   x2: Tensor | None = None, alpha2: Tensor | None = None, beta2: Tensor | None = None) -> Tensor:
+    """relu_ext::bn_act_rebuild through the C++ dispatcher, below autograd (save_compact's unpack hook)."""
+
 def dense_at_least(t: Tensor, numel: int) -> bool:
     """Whether `t` is a strided (not nested) CPU or CUDA tensor of at least `numel` elements that fills a
     block of memory exactly once, in any order of dimensions (save_compact's pack hook)."""
@@ -89,6 +103,26 @@ def set_recompute_probe(probe: Callable[[str, bool], bool]) -> None:
     """probe(op, installed): whether an autograd kernel of relu_ext (installed for
     aten's op, or relu_ext's own), recording a node under saved-tensor hooks,
     must run PyTorch's kernel for op (activation checkpointing, selective too)."""
+
+class AsIs:
+    """save_compact's pack hook for the saved tensors no form takes, kept as they are (parameters and
+    views of them, buffers, masks, outputs of ops the table has no row for): csrc/compact/as_is.cpp."""
+
+    def __init__(self, dense: type, python_cache: dict[int, Any], min_numel: int, python_nodes: frozenset[str],
+                 recent: Any, note: Callable[[Tensor, Any], None] | None) -> None: ...
+
+    def keep(self, t: Tensor) -> Any:
+        """`t` kept as it is (a ``dense``), counted once; None where the Python path decides."""
+
+    def counted(self, t: Tensor) -> bool:
+        """Whether keep() counted `t`."""
+
+    def take(self) -> tuple[int, int, int, int]:
+        """(tensors, bytes, leaves, leaves' bytes) counted since the last call."""
+
+    def outside(self) -> tuple[int, int]:
+        """(tensors, bytes) of those counted since the last call that no node made, need no gradient and
+        something else still holds."""
 
 class _MaskBackward:
     """A backward node's Python type (``y.grad_fn`` of a relu_ext output): the

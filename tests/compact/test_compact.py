@@ -224,7 +224,7 @@ def _count_compactions(monkeypatch) -> list[Any]:
 
     def counting(packer: Any, t: torch.Tensor, rows: Any) -> Any:
         form = real(packer, t, rows)
-        if any(row.form is compact.Compacted for row in rows):
+        if any(row.form is compact.Compacted and row.applies(t, packer.recompute) for row in rows):
             made.append(form if isinstance(form, compact.Compacted) else None)
         return form
 
@@ -333,6 +333,105 @@ def test_views_of_a_parameter_are_counted_as_it_once():
     apart = x.nbytes + w.nbytes + frozen.nbytes
     assert sc.report().splitlines()[-1] == (f"  held outside the graph: 3 tensors, {apart / 1024:.2f} KiB "
                                             "(parameters, buffers, inputs and views of them)"), sc.report()
+
+
+class _Mixed(torch.nn.Module):
+    """Every kind of saved tensor the pack hook sees: a convolution's output and BatchNorm's statistics,
+    buffers, activation outputs after a BatchNorm and mostly zeros, a residual add, a max-pool's input and
+    indices, a Linear's weight.t(), a frozen parameter, a tensor saved by two nodes, integer indices,
+    dropout's noise, GELU and LayerNorm outputs, small tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.lin, self.norm = torch.nn.Linear(2048, 256), torch.nn.LayerNorm(256)
+        self.emb = torch.nn.Embedding(64, 256)
+        self.frozen = torch.nn.Parameter(torch.randn(256, 256), requires_grad=False)
+        self.register_buffer("scale", torch.rand(256) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.bn(self.conv(x)))
+        b = torch.relu(self.bn2(self.conv2(a)) + a)
+        h = self.pool(b).flatten(1)  # (4, 2048): 8192 indices
+        h = F.gelu(self.norm(self.lin(h.repeat(32, 1))))  # (128, 256)
+        h = F.dropout(h, 0.2) * self.scale + self.emb(torch.arange(128) % 64)
+        h2 = torch.relu(h @ self.frozen)
+        y = h2 * 1.5
+        return (y * h2 + y.pow(2)).sum() + (torch.relu(h[:2, :8]) * 3).sum()  # (y saved by two nodes)
+
+
+@pytest.mark.parametrize("install", [False, True])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_the_cpp_path_keeps_and_counts_as_the_python_path(install, recompute, monkeypatch):
+    """_C.AsIs, the pack hook's C++ path for the tensors kept as they are, changes nothing but the hook's
+    time: with it turned off (every tensor through hooks._Packer's Python path) the same forms, the
+    same counts and report, and the same step, bit for bit."""
+
+    class PythonOnly:  # (_C.AsIs taking nothing)
+        def __init__(self, *args: Any) -> None:
+            pass
+
+        def keep(self, t: torch.Tensor) -> None:
+            return None
+
+        def counted(self, t: torch.Tensor) -> bool:
+            return False
+
+        def take(self) -> tuple[int, int, int, int]:
+            return 0, 0, 0, 0
+
+        def outside(self) -> tuple[int, int]:
+            return 0, 0
+
+    def run(python_only: bool) -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        model = _Mixed().train()
+        x = torch.randn(4, 3, 32, 32)
+        packed: list[str] = []
+        with pytest.MonkeyPatch.context() as patch:
+            if python_only:
+                patch.setattr(hooks._C, "AsIs", PythonOnly)
+            sc = relu_ext.save_compact(recompute=recompute)
+            pack = sc.pack_hook
+            sc.pack_hook = lambda t: packed.append(type(p := pack(t)).__name__) or p
+            torch.manual_seed(1)
+            with relu_ext.install() if install else contextlib.nullcontext(), sc:
+                loss = model(x)
+            loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return repr(sc), sc.report(), sc.kept_by_reason, packed, loss.detach(), grads
+
+    fast, slow = run(False), run(True)
+    assert fast[:4] == slow[:4]
+    assert {"_Dense", "Compacted", "Narrowed", "TwoValued"} <= set(fast[3]), fast[3]
+    assert {"Replayed", "Remade", "RemadeNorm"} <= set(fast[3]) or not recompute, fast[3]
+    assert_bitwise_equal(fast[4], slow[4])
+    assert len(fast[5]) == len(slow[5])
+    for a, b in zip(fast[5], slow[5]):
+        assert_bitwise_equal(a, b)
+
+
+def test_the_cpp_path_takes_what_no_form_takes():
+    """What _C.AsIs keeps (a parameter, a view of one, a relu_ext mask, a convolution's output, small
+    tensors) and what it leaves to the Python path (an activation output, an integer tensor to narrow,
+    a float tensor no node made, a subclass, a view of a non-leaf)."""
+    from relu_ext.compact.forms import _Dense
+
+    packer = relu_ext.save_compact()._packer
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    conv = torch.nn.functional.conv2d(x, torch.randn(4, 3, 3, 3))
+    y = torch.relu(torch.randn(64, 128, requires_grad=True))
+    for t in (w, w.t(), torch.zeros(1024, dtype=torch.uint8), conv, torch.randn(100), torch.arange(100)):
+        assert isinstance(packer.as_is.keep(t), _Dense)
+    class Sub(torch.Tensor):
+        pass
+
+    for t in (y, torch.arange(8192), torch.randn(8192), y[:, :64], torch.randn(8).as_subclass(Sub)):
+        assert packer.as_is.keep(t) is None
+    assert packer.as_is.take() == (5, w.nbytes + 1024 + conv.nbytes + 400 + 800, 1, w.nbytes)
 
 
 def test_dense_at_least_is_plain_dense():

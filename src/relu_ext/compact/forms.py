@@ -331,7 +331,7 @@ class Replayed(_Shared):
         return self._replay(*self._sources(live))
 
     def _replay(self, x: Tensor, x2: Tensor | None) -> Tensor:
-        return _ops.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
+        return _C.bn_act_rebuild(x, self.alpha, self.beta, self.act, self.args, x2, self.alpha2, self.beta2)
 
     def _sources(self, live: bool) -> tuple[Tensor, Tensor | None]:
         why = "relu_ext.save_compact rebuilds an activation output from this tensor, which changed after the forward"

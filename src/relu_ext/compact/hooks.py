@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .. import _C
 from .bits import _is_dense
 from .deferred import Deferred
 from .forms import Narrowed, _Dense, _Shared, _ViewOf
@@ -24,6 +25,11 @@ from .stats import _Stats
 # activations. On the CPU checks are back at once; only tests' stand-in events wait there.
 _PENDING_SHARE = 32
 _CPU_PENDING_BYTES = 256 << 20
+
+
+# The nodes whose outputs the pack hook's Python path decides (_Packer._pack): rows of the table and remade
+# ops; _C.AsIs keeps other nodes' outputs as they are.
+_PYTHON_NODES = frozenset(node for node in (*FORMS_BY_NODE, *_REMAKE) if node is not None)
 
 
 class save_compact(torch.autograd.graph.saved_tensors_hooks):
@@ -236,6 +242,10 @@ class _Packer:
         # Tensors saved as they are that no node made and nothing marks as held elsewhere (buffers,
         # inputs), weakly, with their bytes: held outside the graph if alive when the block exits.
         self.unmade: list[tuple[weakref.ref, int]] = []
+        # The tensors no form takes (most of them: parameters, buffers, masks, a convolution's output),
+        # kept and counted in one C++ call; their counts join the stats when read (settle) and at the exit.
+        self.as_is = _C.AsIs(_Dense, self.cache.entries, _MIN_NUMEL, _PYTHON_NODES, self.recent,
+                             _note_kept if recompute else None)
 
     def pack(self, t: Tensor) -> Any:
         """The pack hook: `t` in the form it is kept in until backward unpacks it. Under CUDA-graph
@@ -243,11 +253,12 @@ class _Packer:
         if t.is_cuda and _capturing():
             return _Dense(t)
         with self.lock:
-            return self._pack_view(t)
+            self.poll()
+            packed = self.as_is.keep(t)
+            return self._pack_view(t) if packed is None else packed
 
     def _pack_view(self, t: Tensor) -> Any:
-        """pack(), under the lock: a view saved as its base where it stands for it."""
-        self.poll()
+        """pack(), under the lock, for what the C++ path leaves: a view saved as its base where it stands for it."""
         base = t._base
         if base is None:
             return self._pack(t)
@@ -266,7 +277,7 @@ class _Packer:
         """View `t` of a leaf that requires grad (a parameter: a Linear keeps its ``weight.t()``), saved as
         it is and counted as that leaf, once however many views of it are saved: the graph holds the
         leaf's storage, which is held outside it anyway. No row takes such a tensor."""
-        if self.cache.get(base) is None:
+        if self.cache.get(base) is None and not self.as_is.counted(base):
             self._count_kept(base, "not_activation")
             self.cache.put(base, _Cached(base._version, _Dense(base), True))
         return self._as_is(t)
@@ -292,11 +303,11 @@ class _Packer:
         if node is None and _narrowable(t):
             return self._narrowed(t)
         rows = FORMS_BY_NODE.get(node)
-        applies = [row for row in rows if row.applies(t, self.recompute)] if rows is not None else None
-        packed = self._form(t, applies) if applies else None
+        packed = self._form(t, rows) if rows is not None else None
         if packed is None:
             # (Changed in place and saved again: counted once as it is, however many versions.)
-            packed = self._kept(t, fn, rows=rows is not None, counted=hit is not None and hit.kept)
+            counted = (hit is not None and hit.kept) or self.as_is.counted(t)
+            packed = self._kept(t, fn, rows=rows is not None, counted=counted)
         # (A form of another version: a second form, counted again.)
         self.cache.put(t, _Cached(t._version, packed, isinstance(packed, _Dense) or (hit is not None and hit.kept)))
         return packed.again()
@@ -335,13 +346,19 @@ class _Packer:
         if outside and not leaf:
             self.unmade.append((weakref.ref(base), nbytes))
 
-    def _form(self, t: Tensor, rows: list[Row]) -> _Shared | None:
-        """`t` in the form of the first of `rows` (those of FORMS that apply to it) that can be made and
-        whose check does not fail at once; None: saved as it is."""
-        grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # (what torch.no_grad() does, without its Python calls: see docs/performance.md)
+    def _form(self, t: Tensor, rows: tuple[Row, ...]) -> _Shared | None:
+        """`t` in the form of the first of `rows` (those of FORMS that take its node) that applies to it,
+        can be made and whose check does not fail at once; None: saved as it is. A row's applies() is
+        asked only when the rows before it made nothing (most replays need no compaction's), and grad
+        mode is turned off once one applies (most saved tensors no row applies to)."""
+        grad = None
         try:
             for row in rows:
+                if not row.applies(t, self.recompute):
+                    continue
+                if grad is None:
+                    grad = torch.is_grad_enabled()
+                    torch._C._set_grad_enabled(False)  # (what torch.no_grad() does, without its Python calls: see docs/performance.md)
                 made = row.make(t, self)
                 if made is not None and self._verify(made, t):
                     if self.recompute and t.grad_fn is not None:
@@ -349,7 +366,8 @@ class _Packer:
                     return made.form
             return None
         finally:
-            torch._C._set_grad_enabled(grad)
+            if grad is not None:
+                torch._C._set_grad_enabled(grad)
 
     def _verify(self, made: Made, t: Tensor) -> bool:
         """Every form's check, one path: a form exact as made is counted; else it holds `t` itself and
@@ -431,6 +449,7 @@ class _Packer:
             while self.waiting:
                 self.resolve()
             self._narrow(wait=True)
+            self.stats.keep_many("not_activation", *self.as_is.take())
 
     def exit(self) -> None:
         """When the context exits: resolve what has come back; count what is held outside the graph; start
@@ -444,8 +463,10 @@ class _Packer:
         self.poll()
         for ref, nbytes in self.unmade:
             if ref() is not None:  # (the graph holds a detached copy's object, not this one)
-                self.stats.held_outside(nbytes)
+                self.stats.held_outside(1, nbytes)
         self.unmade.clear()
+        self.stats.keep_many("not_activation", *self.as_is.take())
+        self.stats.held_outside(*self.as_is.outside())
         # Under CUDA-graph capture the integer tensors stay as they are: their range would come back at
         # the graph's replay.
         if not _capturing():

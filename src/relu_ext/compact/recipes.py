@@ -409,7 +409,7 @@ def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tenso
     bias, readable = _bn_bias(bn)  # a parameter; else none (or frozen: verified)
     if not readable:
         return None  # a bias computed in the graph (FSDP's views of its flat parameter), which no node keeps
-    alpha, beta = _ops.bn_terms(
+    alpha, beta = _C.bn_terms(
         None if weight is None else weight.detach(), None if bias is None else bias.detach(), mean.detach(),
         var.detach(), from_saved, _bn_eps(bn), t.dtype)
     return (x.detach() if source is x else source), alpha, beta, x.detach()
@@ -441,7 +441,7 @@ def _kept_output(fn: Any, output_nr: int, t: Tensor) -> tuple[Tensor | _Shared, 
     # Terms that add it as it is (x * 1 + -0.0 is x, -0.0 included; a NaN payload the check sees).
     opmath = torch.float64 if t.dtype == torch.float64 else torch.float32
     zero, one = (torch.full((t.shape[1],), v, dtype=opmath, device=t.device) for v in (0.0, 1.0))
-    alpha, beta = _ops.bn_terms(None, torch.full_like(zero, -0.0), zero, one, True, 0.0, t.dtype)
+    alpha, beta = _C.bn_terms(None, torch.full_like(zero, -0.0), zero, one, True, 0.0, t.dtype)
     return source, alpha, beta, now
 
 
@@ -472,7 +472,7 @@ def _replayed(t: Tensor, packer: Packing) -> Made | None:
     if first is None:
         return None
     also = () if second is None else (second[3], *second[1:3])
-    flag = _ops.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *also)
+    flag = _C.bn_act_verify(first[3], *first[1:3], act[0], act[1], t.detach(), *also)
     return Made(Replayed(t, *first[:3], act[0], act[1], None if second is None else second[:3]), flag)
 
 

@@ -71,9 +71,19 @@ class _Stats:
         self.outside += outside
         self.outside_bytes += nbytes if outside else 0
 
-    def held_outside(self, nbytes: int) -> None:
-        """Count a tensor of `nbytes` bytes, counted as saved as it is (not an activation), as held outside the graph."""
-        self.outside += 1
+    def keep_many(self, reason: str, tensors: int, nbytes: int, outside: int, outside_bytes: int) -> None:
+        """keep() of `tensors` tensors of `nbytes` bytes in all, `outside` of them (of `outside_bytes` bytes)
+        held outside the graph (hooks._Packer.as_is's counts)."""
+        self.kept_by_reason[reason] += tensors
+        self.nbytes[_AS_IT_IS] += nbytes
+        self.held[_AS_IT_IS] += nbytes
+        self.outside += outside
+        self.outside_bytes += outside_bytes
+
+    def held_outside(self, tensors: int, nbytes: int) -> None:
+        """Count `tensors` tensors of `nbytes` bytes in all, counted as saved as they are (not activations),
+        as held outside the graph."""
+        self.outside += tensors
         self.outside_bytes += nbytes
 
     def moved(self, reason: str, kind: str, nbytes: int, held: int) -> None:

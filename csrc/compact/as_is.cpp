@@ -1,0 +1,193 @@
+// save_compact's pack hook for the saved tensors that no form of the table takes, kept as they are:
+// a relu_ext mask, parameters and views of them (a Linear's weight.t()), buffers, BatchNorm's
+// statistics, small tensors, outputs of ops the table has no row for (a convolution's). Most saved tensors
+// are these (a ResNet's BatchNorm saves five of them for each it saves of its input), and kept as
+// they are they need only be counted, once each. Inside a training step a Python hook's cost is
+// its interpreter's cache misses, not its work (docs/performance.md), so this is one C++ call:
+// relu_ext._C.AsIs, which hooks._Packer asks before its Python path, under its lock.
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/python.h>
+
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace relu_ext {
+namespace {
+
+// Integer dtypes save_compact narrows (hooks._narrowable).
+bool narrowable(at::ScalarType dtype) {
+  return dtype == at::kLong || dtype == at::kInt || dtype == at::kShort;
+}
+
+// Dispatch keys of tensors whose Python path may differ (wrappers: functorch, functionalization, Python
+// subclasses' modes): those go to it.
+const c10::DispatchKeySet kWrapped{c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                   c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                   c10::DispatchKey::Functionalize};
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl>;
+
+class AsIs {
+ public:
+  // dense: the _Dense class; python_cache: the Python path's map (hooks._ByTensor.entries, by id), whose
+  // tensors stay on that path; min_numel: the fewest elements any form takes (recipes._MIN_NUMEL);
+  // python_nodes: the names of the nodes whose outputs the Python path decides (rows of the table,
+  // remade ops); recent: the packer's recipes.Recent; note: graph._note_kept where the context
+  // recomputes (a tensor with a node kept as it is is noted on it, as hooks._Packer does), else None.
+  AsIs(pybind11::object dense, pybind11::dict python_cache, int64_t min_numel, std::unordered_set<std::string> python_nodes,
+       pybind11::object recent, pybind11::object note)
+      : dense_(std::move(dense)),
+        python_cache_(std::move(python_cache)),
+        min_numel_(min_numel),
+        python_nodes_(std::move(python_nodes)),
+        recent_(std::move(recent)),
+        note_(std::move(note)) {}
+
+  // `obj` kept as it is (a _Dense), counted once however many nodes save it (a view of a parameter:
+  // counted as the parameter); None where the Python path decides: a view of a tensor a node made, an
+  // output of a node a row of the table or a remade op takes (made()), a tensor no node made that a
+  // form may take (an integer tensor to narrow, a bitmap of one that needs no gradient), a wrapper or
+  // subclass, or a tensor that path saw first.
+  pybind11::object keep(pybind11::handle obj) {
+    PyObject* o = obj.ptr();
+    if (!THPVariable_CheckExact(o)) return pybind11::none();
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (t.layout() != at::kStrided || t.is_nested() || !(t.is_cpu() || t.is_cuda()) || t.key_set().has_any(kWrapped))
+      return pybind11::none();
+    if (t.is_view()) return leaf_view(obj, t);
+    if (t.grad_fn() != nullptr) return made(obj, t);
+    const int64_t numel = t.numel();
+    const at::ScalarType dtype = t.scalar_type();
+    const bool needs_grad = t.requires_grad();
+    if (numel >= min_numel_ &&
+        (narrowable(dtype) || (!needs_grad && (at::isFloatingType(dtype) || dtype == at::kBool))))
+      return pybind11::none();
+    if (in_python_cache(obj)) return pybind11::none();
+    count(t, /*made=*/false);
+    return dense_(obj);
+  }
+
+  // Output `obj` of a node no row of the table takes and no remade op is (a convolution's, kept by its
+  // BatchNorm): kept as it is and noted on its node (hooks._Packer._kept); first, as for any tensor of an
+  // op outside the table, the remade forms' values held for the next are forgotten (recipes.Recent).
+  pybind11::object made(pybind11::handle obj, const at::Tensor& t) {
+    if (python_nodes_.count(t.grad_fn()->name()) > 0 || in_python_cache(obj)) return pybind11::none();
+    const int remembers = PyObject_IsTrue(recent_.attr("forms").ptr());
+    if (remembers < 0) throw pybind11::error_already_set();
+    if (remembers) recent_.attr("forget")();
+    count(t, /*made=*/true);
+    pybind11::object dense = dense_(obj);
+    if (!note_.is_none()) note_(obj, dense);
+    return dense;
+  }
+
+  // A view of a leaf that requires grad (a parameter: a Linear keeps its weight.t()), kept as it is and
+  // counted as that leaf (hooks._Packer._of_leaf); None for a view of anything else.
+  pybind11::object leaf_view(pybind11::handle obj, const at::Tensor& t) {
+    const at::TensorBase& base = t._base();
+    if (base.grad_fn() != nullptr || !base.requires_grad()) return pybind11::none();
+    count(base, /*made=*/false);
+    pybind11::object dense = dense_(obj);
+    if (!note_.is_none() && t.grad_fn() != nullptr) note_(obj, dense);
+    return dense;
+  }
+
+  // Whether keep() counted `t` (hooks._Packer._pack: a tensor then changed, by an op in place that gave
+  // it a node, is not counted twice).
+  bool counted(const at::Tensor& t) const { return seen_.count(t.unsafeGetTensorImpl()) > 0; }
+
+  // (tensors, bytes, leaves, leaves' bytes) counted since the last call.
+  std::tuple<int64_t, int64_t, int64_t, int64_t> take() {
+    auto counts = std::make_tuple(kept_, bytes_, leaves_, leaf_bytes_);
+    kept_ = bytes_ = leaves_ = leaf_bytes_ = 0;
+    return counts;
+  }
+
+  // (tensors, bytes) of those counted since the last call that need no gradient and that something
+  // still holds (a buffer, the step's input; not what only the graph holds, whose _Dense holds a
+  // detached alias, another TensorImpl): held outside the graph, as hooks._Packer._exit counts.
+  std::pair<int64_t, int64_t> outside() {
+    int64_t tensors = 0, bytes = 0;
+    for (const auto& [weak, nbytes] : unmade_) {
+      if (weak.use_count() > 0) {
+        tensors += 1;
+        bytes += nbytes;
+      }
+    }
+    unmade_.clear();
+    return {tensors, bytes};
+  }
+
+ private:
+  // Whether the Python path saw `obj` first (it keeps it, see the constructor).
+  bool in_python_cache(pybind11::handle obj) const {
+    const pybind11::object id = pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(obj.ptr()));
+    if (!id) throw pybind11::error_already_set();
+    return python_cache_.contains(id);
+  }
+
+  // Count `t` once, kept as it is; one no node `made`, held outside the graph where it is a leaf that
+  // requires grad, or where something else still holds it when the block exits (outside()).
+  void count(const at::TensorBase& t, bool made) {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (seen_.find(impl) != seen_.end()) return;
+    const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
+    WeakImpl weak(t.getIntrusivePtr());
+    kept_ += 1;
+    bytes_ += nbytes;
+    if (!made && t.requires_grad()) {
+      leaves_ += 1;
+      leaf_bytes_ += nbytes;
+    } else if (!made) {
+      unmade_.emplace_back(weak, nbytes);
+    }
+    sweep();
+    seen_.emplace(impl, std::move(weak));
+  }
+
+  // Forget the tensors that are gone (their weak references keep only the TensorImpl's object, never its
+  // storage, and keep its address from being reused while here), once the map doubles.
+  void sweep() {
+    if (seen_.size() < limit_) return;
+    for (auto it = seen_.begin(); it != seen_.end();) {
+      it = it->second.expired() ? seen_.erase(it) : std::next(it);
+    }
+    limit_ = std::max<size_t>(kMinLimit, 2 * seen_.size());
+  }
+
+  static constexpr size_t kMinLimit = 1024;
+  pybind11::object dense_;
+  pybind11::dict python_cache_;
+  int64_t min_numel_;
+  std::unordered_set<std::string> python_nodes_;
+  pybind11::object recent_;
+  pybind11::object note_;
+  std::unordered_map<c10::TensorImpl*, WeakImpl> seen_;
+  size_t limit_ = kMinLimit;
+  std::vector<std::pair<WeakImpl, int64_t>> unmade_;
+  int64_t kept_ = 0, bytes_ = 0, leaves_ = 0, leaf_bytes_ = 0;
+};
+
+}  // namespace
+
+void register_as_is(pybind11::module_& m) {
+  pybind11::class_<AsIs>(m, "AsIs",
+                         "save_compact's pack hook for the tensors no node made and no form takes (csrc/compact/as_is.cpp).")
+      .def(pybind11::init<pybind11::object, pybind11::dict, int64_t, std::unordered_set<std::string>, pybind11::object,
+                          pybind11::object>(),
+           pybind11::arg("dense"), pybind11::arg("python_cache"), pybind11::arg("min_numel"),
+           pybind11::arg("python_nodes"), pybind11::arg("recent"), pybind11::arg("note"))
+      .def("keep", &AsIs::keep, pybind11::arg("t"),
+           "t kept as it is (a _Dense), counted once; None where the Python path decides.")
+      .def("counted", &AsIs::counted, pybind11::arg("t"), "Whether keep() counted t.")
+      .def("take", &AsIs::take, "(tensors, bytes, leaves, leaves' bytes) counted since the last call.")
+      .def("outside", &AsIs::outside,
+           "(tensors, bytes) of the tensors counted since the last call that need no gradient and that something "
+           "else still holds.");
+}
+
+}  // namespace relu_ext
