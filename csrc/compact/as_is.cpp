@@ -139,11 +139,13 @@ class AsIs {
     WeakImpl weak(t.getIntrusivePtr());
     kept_ += 1;
     bytes_ += nbytes;
-    if (!made && t.requires_grad()) {
-      leaves_ += 1;
-      leaf_bytes_ += nbytes;
-    } else if (!made) {
-      unmade_.emplace_back(weak, nbytes);
+    if (!made) {
+      if (t.requires_grad()) {
+        leaves_ += 1;
+        leaf_bytes_ += nbytes;
+      } else {
+        unmade_.emplace_back(weak, nbytes);
+      }
     }
     sweep();
     seen_.emplace(impl, std::move(weak));
@@ -176,7 +178,7 @@ class AsIs {
 
 void register_as_is(pybind11::module_& m) {
   pybind11::class_<AsIs>(m, "AsIs",
-                         "save_compact's pack hook for the tensors no node made and no form takes (csrc/compact/as_is.cpp).")
+                         "save_compact's pack hook for the saved tensors no form takes, kept as they are (csrc/compact/as_is.cpp).")
       .def(pybind11::init<pybind11::object, pybind11::dict, int64_t, std::unordered_set<std::string>, pybind11::object,
                           pybind11::object>(),
            pybind11::arg("dense"), pybind11::arg("python_cache"), pybind11::arg("min_numel"),

@@ -426,6 +426,7 @@ def test_the_cpp_path_takes_what_no_form_takes():
     y = torch.relu(torch.randn(64, 128, requires_grad=True))
     for t in (w, w.t(), torch.zeros(1024, dtype=torch.uint8), conv, torch.randn(100), torch.arange(100)):
         assert isinstance(packer.as_is.keep(t), _Dense)
+
     class Sub(torch.Tensor):
         pass
 

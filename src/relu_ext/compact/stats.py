@@ -65,11 +65,7 @@ class _Stats:
     def keep(self, reason: str, nbytes: int, outside: bool = False) -> None:
         """Count a tensor of `nbytes` bytes, saved as it is for `reason`; `outside`: held outside the graph
         (a parameter, a view of one, another leaf that requires grad)."""
-        self.kept_by_reason[reason] += 1
-        self.nbytes[_AS_IT_IS] += nbytes
-        self.held[_AS_IT_IS] += nbytes
-        self.outside += outside
-        self.outside_bytes += nbytes if outside else 0
+        self.keep_many(reason, 1, nbytes, int(outside), nbytes if outside else 0)
 
     def keep_many(self, reason: str, tensors: int, nbytes: int, outside: int, outside_bytes: int) -> None:
         """keep() of `tensors` tensors of `nbytes` bytes in all, `outside` of them (of `outside_bytes` bytes)
