@@ -5,6 +5,7 @@
 // they are they need only be counted, once each. Inside a training step a Python hook's cost is
 // its interpreter's cache misses, not its work (docs/performance.md), so this is one C++ call:
 // relu_ext._C.AsIs, which hooks._Packer asks before its Python path, under its lock.
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/python.h>
@@ -14,6 +15,8 @@
 #include <unordered_set>
 #include <utility>
 #include <vector>
+
+#include "compact/compact.h"
 
 namespace relu_ext {
 namespace {
@@ -38,14 +41,29 @@ class AsIs {
   // python_nodes: the names of the nodes whose outputs the Python path decides (rows of the table,
   // remade ops); recent: the packer's recipes.Recent; note: graph._note_kept where the context
   // recomputes (a tensor with a node kept as it is is noted on it, as hooks._Packer does), else None.
+  // The compaction at once (compact()): compacts: the nodes whose outputs are always mostly zeros (ReLU's,
+  // Hardsigmoid's; recipes.COMPACTS); masks: relu_ext's, whose saved mask mask_of(t) gives; after:
+  // the nodes an activation's input comes from where its replay comes first (a BatchNorm's; and AddBackward0,
+  // the residual add of one); deferred: the Deferred class (its stand_in, for tests, makes every value
+  // wait); share: the most of its bytes a compaction may hold (1 - min_saving); compacted: what makes the
+  // form of one (hooks._Compactions).
   AsIs(pybind11::object dense, pybind11::dict python_cache, int64_t min_numel, std::unordered_set<std::string> python_nodes,
-       pybind11::object recent, pybind11::object note)
+       pybind11::object recent, pybind11::object note, std::unordered_set<std::string> compacts,
+       std::unordered_set<std::string> masks, pybind11::object mask_of, std::unordered_set<std::string> after,
+       pybind11::object deferred, double share, pybind11::object compacted)
       : dense_(std::move(dense)),
         python_cache_(std::move(python_cache)),
         min_numel_(min_numel),
         python_nodes_(std::move(python_nodes)),
         recent_(std::move(recent)),
-        note_(std::move(note)) {}
+        note_(std::move(note)),
+        compacts_(std::move(compacts)),
+        masks_(std::move(masks)),
+        mask_of_(std::move(mask_of)),
+        after_(std::move(after)),
+        deferred_(std::move(deferred)),
+        share_(share),
+        compacted_(std::move(compacted)) {}
 
   // `obj` kept as it is (a _Dense), counted once however many nodes save it (a view of a parameter:
   // counted as the parameter); None where the Python path decides: a view of a tensor a node made, an
@@ -75,14 +93,61 @@ class AsIs {
   // BatchNorm): kept as it is and noted on its node (hooks._Packer._kept); first, as for any tensor of an
   // op outside the table, the remade forms' values held for the next are forgotten (recipes.Recent).
   pybind11::object made(pybind11::handle obj, const at::Tensor& t) {
-    if (python_nodes_.count(t.grad_fn()->name()) > 0 || in_python_cache(obj)) return pybind11::none();
-    const int remembers = PyObject_IsTrue(recent_.attr("forms").ptr());
-    if (remembers < 0) throw pybind11::error_already_set();
-    if (remembers) recent_.attr("forget")();
+    const std::string name = t.grad_fn()->name();
+    const bool compacts = compacts_.count(name) > 0;
+    if ((!compacts && python_nodes_.count(name) > 0) || in_python_cache(obj)) return pybind11::none();
+    if (compacts && !compactable(t)) return pybind11::none();
+    forget_recent();
+    if (compacts) return compact(obj, t, name);
     count(t, /*made=*/true);
     pybind11::object dense = dense_(obj);
     if (!note_.is_none()) note_(obj, dense);
     return dense;
+  }
+
+  // Whether `t`, an output of a node in compacts_, is compacted at once, exactly as the Python path
+  // would (the rows of recipes.FORMS in order: a replay where one comes first; else compaction where
+  // recipes._zeros_mostly applies; its Compacted made at once where Deferred.at_once).
+  bool compactable(const at::Tensor& t) const {
+    if (!t.is_cpu() || !is_float(t.scalar_type()) || t.numel() < min_numel_ ||
+        !t.is_non_overlapping_and_dense() || !deferred_.attr("stand_in").is_none())
+      return false;
+    if (note_.is_none()) return true;  // (no recompute: no replay)
+    // recipes._after_a_batchnorm (graph._after_batchnorm): its input a BatchNorm's, or a residual add's.
+    const auto& edges = t.grad_fn()->next_edges();
+    const torch::autograd::Node* prev = edges.empty() ? nullptr : edges[0].function.get();
+    if (prev == nullptr) return true;
+    const std::string prev_name = prev->name();
+    if (prev_name == "AddBackward0") {
+      for (const auto& edge : prev->next_edges()) {
+        if (edge.function != nullptr && after_.count(edge.function->name()) > 0) return false;
+      }
+      return true;
+    }
+    return after_.count(prev_name) == 0;
+  }
+
+  // `obj` compacted at once (recipes._compacted, Compacted.now): by its node's mask (relu_ext's) where
+  // that restores it, else by its own bitmap; its form made by compacted_ where that saves enough,
+  // else None: the Python path keeps it, counted as too few zeros.
+  pybind11::object compact(pybind11::handle obj, const at::Tensor& t, const std::string& name) {
+    std::optional<at::Tensor> mask;
+    if (masks_.count(name) > 0) {
+      pybind11::object m = mask_of_(obj);
+      if (!m.is_none()) mask = THPVariable_Unpack(m.ptr());
+    }
+    at::Tensor values, used;
+    bool shared = false;
+    {
+      const pybind11::gil_scoped_release no_gil;
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(values, used, shared) = compact_now_cpu(t, mask);
+    }
+    const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
+    const int64_t cost = values.numel() * static_cast<int64_t>(values.element_size()) +
+                         (shared ? 0 : used.numel() * static_cast<int64_t>(used.element_size()));
+    if (static_cast<double>(cost) > share_ * static_cast<double>(nbytes)) return pybind11::none();
+    return compacted_(obj, values, used, shared, cost);
   }
 
   // A view of a leaf that requires grad (a parameter: a Linear keeps its weight.t()), kept as it is and
@@ -123,6 +188,14 @@ class AsIs {
   }
 
  private:
+  // As hooks._Packer._pack, for any tensor of an op outside the remade ones: the remade forms' values held
+  // for the next are forgotten (recipes.Recent).
+  void forget_recent() {
+    const int remembers = PyObject_IsTrue(recent_.attr("forms").ptr());
+    if (remembers < 0) throw pybind11::error_already_set();
+    if (remembers) recent_.attr("forget")();
+  }
+
   // Whether the Python path saw `obj` first (it keeps it, see the constructor).
   bool in_python_cache(pybind11::handle obj) const {
     const pybind11::object id = pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(obj.ptr()));
@@ -168,6 +241,12 @@ class AsIs {
   std::unordered_set<std::string> python_nodes_;
   pybind11::object recent_;
   pybind11::object note_;
+  std::unordered_set<std::string> compacts_, masks_;
+  pybind11::object mask_of_;
+  std::unordered_set<std::string> after_;
+  pybind11::object deferred_;
+  double share_;
+  pybind11::object compacted_;
   std::unordered_map<c10::TensorImpl*, WeakImpl> seen_;
   size_t limit_ = kMinLimit;
   std::vector<std::pair<WeakImpl, int64_t>> unmade_;
@@ -180,9 +259,13 @@ void register_as_is(pybind11::module_& m) {
   pybind11::class_<AsIs>(m, "AsIs",
                          "save_compact's pack hook for the saved tensors no form takes, kept as they are (csrc/compact/as_is.cpp).")
       .def(pybind11::init<pybind11::object, pybind11::dict, int64_t, std::unordered_set<std::string>, pybind11::object,
+                          pybind11::object, std::unordered_set<std::string>, std::unordered_set<std::string>,
+                          pybind11::object, std::unordered_set<std::string>, pybind11::object, double,
                           pybind11::object>(),
            pybind11::arg("dense"), pybind11::arg("python_cache"), pybind11::arg("min_numel"),
-           pybind11::arg("python_nodes"), pybind11::arg("recent"), pybind11::arg("note"))
+           pybind11::arg("python_nodes"), pybind11::arg("recent"), pybind11::arg("note"), pybind11::arg("compacts"),
+           pybind11::arg("masks"), pybind11::arg("mask_of"), pybind11::arg("after"), pybind11::arg("deferred"),
+           pybind11::arg("share"), pybind11::arg("compacted"))
       .def("keep", &AsIs::keep, pybind11::arg("t"),
            "t kept as it is (a _Dense), counted once; None where the Python path decides.")
       .def("counted", &AsIs::counted, pybind11::arg("t"), "Whether keep() counted t.")

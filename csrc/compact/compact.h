@@ -16,6 +16,11 @@
 
 namespace relu_ext {
 
+// The compaction ops' checks of a tensor they compact (float, dense) and of its
+// mask (ops.cpp); `op` names the caller in the error.
+void check_compactable(const at::Tensor& t, const char* op, const char* arg);
+void check_compaction_mask(const at::Tensor& mask, const at::Tensor& t, const char* op);
+
 // Compaction by a bitmap (compact_cpu.cpp), on dense tensors in memory order,
 // elements of 2, 4 or 8 bytes moved as integers. compact: the elements whose
 // bit is set, and in *missed the number of the others that are not +0 (bits
@@ -31,6 +36,11 @@ at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed
 // where values' size is not the total (on the CPU 1, nothing written; on
 // CUDA nothing written past values).
 int64_t kept_count_cpu(const uint8_t* mask, int64_t n);
+// compact at once (save_compact's pack hook on the CPU): y by `mask` where that
+// restores it (missed nothing), else by y's own nonzero_mask; (values, the
+// mask used, whether it is `mask`). The checks are the caller's
+// (check_compactable, check_compaction_mask).
+std::tuple<at::Tensor, at::Tensor, bool> compact_now_cpu(const at::Tensor& y, const std::optional<at::Tensor>& mask);
 int64_t compact_into_cpu(const at::Tensor& y, const uint8_t* mask, const at::Tensor& values);
 void expand_cpu(const at::Tensor& values, const uint8_t* mask, const at::Tensor& out);
 void nonzero_mask_cpu(const at::Tensor& y, uint8_t* mask);

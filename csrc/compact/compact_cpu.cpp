@@ -541,6 +541,17 @@ at::Tensor compact_cpu(const at::Tensor& y, const uint8_t* mask, int64_t* missed
   return values;
 }
 
+std::tuple<at::Tensor, at::Tensor, bool> compact_now_cpu(const at::Tensor& y, const std::optional<at::Tensor>& mask) {
+  int64_t missed = 0;
+  if (mask.has_value()) {
+    at::Tensor values = compact_cpu(y, mask->const_data_ptr<uint8_t>(), &missed);
+    if (missed == 0) return {values, *mask, true};
+  }
+  at::Tensor own = new_mask(y);
+  nonzero_mask_cpu(y, own.data_ptr<uint8_t>());
+  return {compact_cpu(y, own.const_data_ptr<uint8_t>(), &missed), own, false};
+}
+
 int64_t kept_count_cpu(const uint8_t* mask, int64_t n) { return chunk_starts(mask, n, cpu_kernels() != kScalar).back(); }
 
 int64_t compact_into_cpu(const at::Tensor& y, const uint8_t* mask, const at::Tensor& values) {

@@ -16,8 +16,6 @@
 
 namespace relu_ext {
 
-namespace {
-
 // --- Compaction (save_compact) ---------------------------------------------------
 
 void check_compactable(const at::Tensor& t, const char* op, const char* arg) {
@@ -35,6 +33,8 @@ void check_compaction_mask(const at::Tensor& mask, const at::Tensor& t, const ch
   TORCH_CHECK(mask.dim() == 1 && mask.numel() == need && mask.is_contiguous(), op, ": mask has shape ", mask.sizes(),
               " but the tensor has ", t.numel(), " elements, which need a contiguous 1-D mask of ", need, " bytes");
 }
+
+namespace {
 
 // The CPU kernels are compact_cpu.cpp's, the CUDA ones cuda_host.cpp's.
 std::tuple<at::Tensor, at::Tensor> compact(const at::Tensor& y, const at::Tensor& mask) {

@@ -202,15 +202,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& y, const std::optional<at::Tensor>& mask) {
         TORCH_CHECK_VALUE(y.device().is_cpu(), "relu_ext._C.compact_now: y is on ", y.device(),
                           "; it reads compact's count of missed elements on the host, so it takes CPU tensors only");
+        check_compactable(y, "relu_ext._C.compact_now", "y");
+        if (mask.has_value()) check_compaction_mask(*mask, y, "relu_ext._C.compact_now");
         const pybind11::gil_scoped_release no_gil;
-        // Below autograd: what it makes is never differentiated (the pack hook keeps it, with grad mode off).
-        const at::AutoDispatchBelowADInplaceOrView below_autograd;
-        if (mask.has_value()) {
-          auto [values, missed] = compact_op().call(y, *mask);
-          if (*missed.const_data_ptr<int64_t>() == 0) return std::make_tuple(values, *mask, true);
-        }
-        at::Tensor own = nonzero_mask_op().call(y);
-        return std::make_tuple(std::get<0>(compact_op().call(y, own)), own, false);
+        return compact_now_cpu(y, mask);
       },
       pybind11::arg("y"), pybind11::arg("mask"),
       "relu_ext::compact of CPU y by `mask` where that restores y (no other element is nonzero), else by "

@@ -218,9 +218,10 @@ def test_layouts_come_back(relu):
 
 
 def _count_compactions(monkeypatch) -> list[Any]:
-    """The compactions the pack hook makes, listed as made: the Compacted form, or None where it missed."""
+    """The compactions the pack hook makes, listed as made, by its Python path or its C++ one (which
+    compacts at once): the Compacted form, or None where it missed."""
     made: list[Any] = []
-    real = hooks._Packer._form
+    real, real_at_once = hooks._Packer._form, hooks._AtOnce.__call__
 
     def counting(packer: Any, t: torch.Tensor, rows: Any) -> Any:
         form = real(packer, t, rows)
@@ -228,7 +229,12 @@ def _count_compactions(monkeypatch) -> list[Any]:
             made.append(form if isinstance(form, compact.Compacted) else None)
         return form
 
+    def at_once(self: Any, *args: Any) -> Any:
+        made.append(real_at_once(self, *args))
+        return made[-1]
+
     monkeypatch.setattr(hooks._Packer, "_form", counting)
+    monkeypatch.setattr(hooks._AtOnce, "__call__", at_once)
     return made
 
 
@@ -359,15 +365,16 @@ class _Mixed(torch.nn.Module):
         h = F.dropout(h, 0.2) * self.scale + self.emb(torch.arange(128) % 64)
         h2 = torch.relu(h @ self.frozen)
         y = h2 * 1.5
-        return (y * h2 + y.pow(2)).sum() + (torch.relu(h[:2, :8]) * 3).sum()  # (y saved by two nodes)
+        few_zeros = torch.relu(h.abs() + 1) * F.hardsigmoid(h)  # (compacting them saves too little)
+        return (y * h2 + y.pow(2)).sum() + (torch.relu(h[:2, :8]) * 3).sum() + few_zeros.sum()  # (y saved by two nodes)
 
 
 @pytest.mark.parametrize("install", [False, True])
 @pytest.mark.parametrize("recompute", [True, False])
 def test_the_cpp_path_keeps_and_counts_as_the_python_path(install, recompute, monkeypatch):
-    """_C.AsIs, the pack hook's C++ path for the tensors kept as they are, changes nothing but the hook's
-    time: with it turned off (every tensor through hooks._Packer's Python path) the same forms, the
-    same counts and report, and the same step, bit for bit."""
+    """_C.AsIs, the pack hook's C++ path for the tensors kept as they are and the compactions at once,
+    changes nothing but the hook's time: with it turned off (every tensor through hooks._Packer's Python
+    path) the same forms, the same counts and report, and the same step, bit for bit."""
 
     class PythonOnly:  # (_C.AsIs taking nothing)
         def __init__(self, *args: Any) -> None:
@@ -393,6 +400,8 @@ def test_the_cpp_path_keeps_and_counts_as_the_python_path(install, recompute, mo
         with pytest.MonkeyPatch.context() as patch:
             if python_only:
                 patch.setattr(hooks._C, "AsIs", PythonOnly)
+            at_once = hooks._AtOnce.__call__
+            patch.setattr(hooks._AtOnce, "__call__", lambda *args: packed.append("at once") or at_once(*args))
             sc = relu_ext.save_compact(recompute=recompute)
             pack = sc.pack_hook
             sc.pack_hook = lambda t: packed.append(type(p := pack(t)).__name__) or p
@@ -404,6 +413,8 @@ def test_the_cpp_path_keeps_and_counts_as_the_python_path(install, recompute, mo
         return repr(sc), sc.report(), sc.kept_by_reason, packed, loss.detach(), grads
 
     fast, slow = run(False), run(True)
+    assert "at once" in fast[3] and "at once" not in slow[3]  # (the C++ path compacted some: the only difference)
+    fast = (*fast[:3], [kind for kind in fast[3] if kind != "at once"], *fast[4:])
     assert fast[:4] == slow[:4]
     assert {"_Dense", "Compacted", "Narrowed", "TwoValued"} <= set(fast[3]), fast[3]
     assert {"Replayed", "Remade", "RemadeNorm"} <= set(fast[3]) or not recompute, fast[3]
@@ -415,8 +426,10 @@ def test_the_cpp_path_keeps_and_counts_as_the_python_path(install, recompute, mo
 
 def test_the_cpp_path_takes_what_no_form_takes():
     """What _C.AsIs keeps (a parameter, a view of one, a relu_ext mask, a convolution's output, small
-    tensors) and what it leaves to the Python path (an activation output, an integer tensor to narrow,
-    a float tensor no node made, a subclass, a view of a non-leaf)."""
+    tensors), what it compacts (a ReLU output, by its own bitmap or by relu_ext's mask) and what it
+    leaves to the Python path (an activation output after a BatchNorm, with too few zeros, or of an
+    activation whose arguments say whether it is mostly zeros; an integer tensor to narrow, a float
+    tensor no node made, a subclass, a view of a non-leaf)."""
     from relu_ext.compact.forms import _Dense
 
     packer = relu_ext.save_compact()._packer
@@ -424,15 +437,26 @@ def test_the_cpp_path_takes_what_no_form_takes():
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     conv = torch.nn.functional.conv2d(x, torch.randn(4, 3, 3, 3))
     y = torch.relu(torch.randn(64, 128, requires_grad=True))
+    ours = relu_ext.relu(torch.randn(64, 128, requires_grad=True))
     for t in (w, w.t(), torch.zeros(1024, dtype=torch.uint8), conv, torch.randn(100), torch.arange(100)):
         assert isinstance(packer.as_is.keep(t), _Dense)
+    for t, shared in ((y, False), (ours, True)):
+        form = packer.as_is.keep(t)
+        assert isinstance(form, compact.Compacted) and form.shared == shared and form.pending == 1
+        assert_bitwise_equal(form.restore(), t.detach())
 
     class Sub(torch.Tensor):
         pass
 
-    for t in (y, torch.arange(8192), torch.randn(8192), y[:, :64], torch.randn(8).as_subclass(Sub)):
+    after_bn = torch.relu(torch.nn.functional.batch_norm(torch.randn(64, 128, requires_grad=True), None, None,
+                                                         training=True))
+    few_zeros = torch.relu(torch.rand(64, 128, requires_grad=True) + 0.5)
+    relu6 = torch.nn.functional.relu6(torch.randn(64, 128, requires_grad=True))
+    for t in (after_bn, few_zeros, relu6, torch.arange(8192), torch.randn(8192), y[:, :64],
+              torch.randn(8).as_subclass(Sub)):
         assert packer.as_is.keep(t) is None
     assert packer.as_is.take() == (5, w.nbytes + 1024 + conv.nbytes + 400 + 800, 1, w.nbytes)
+    assert packer.stats.count["compacted"] == 2
 
 
 def test_dense_at_least_is_plain_dense():

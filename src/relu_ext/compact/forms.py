@@ -212,6 +212,16 @@ class Compacted(_Shared):
             self.mask = mask if mask is not None else _ops.nonzero_mask(t)
             self.ends = _ops.compact_count(t, self.mask)
 
+    @classmethod
+    def at_once(cls, t: Tensor, values: Tensor, mask: Tensor, shared: bool, nbytes: int) -> Compacted:
+        """`t` as the C++ path compacted it at once (csrc/compact/as_is.cpp; as ``now`` would): `values` by
+        `mask`, its node's where `shared`, `nbytes` in all."""
+        form = cls.__new__(cls)
+        _Shared.__init__(form, t, nbytes)
+        form.values, form.mask, form.shared, form.ends = values, mask, shared, None
+        form.limit, form.size, form.stride = nbytes, t.size(), t.stride()
+        return form
+
     def now(self, t: Tensor) -> bool:
         """Compact `t` at once (where Deferred.at_once: no count made), by its node's mask where that
         restores it, else by its own bitmap: whether that saves enough."""

@@ -15,8 +15,9 @@ from torch import Tensor
 from .. import _C
 from .bits import _is_dense
 from .deferred import Deferred
-from .forms import Narrowed, _Dense, _Shared, _ViewOf
-from .graph import _REMAKE, _after_batchnorm, _mostly_zeros, _node_name, _note_kept
+from .forms import Compacted, Narrowed, _Dense, _Shared, _ViewOf
+from .graph import (_BN_NODES, _RELU_EXT_NODE, _REMAKE, COMPACTS, _after_batchnorm, _mostly_zeros, _node_name,
+                    _note_kept, _relu_ext_mask)
 from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Recent, Row, _plain_dense
 from .stats import _Stats
 
@@ -244,8 +245,11 @@ class _Packer:
         self.unmade: list[tuple[weakref.ref, int]] = []
         # The tensors no form takes (most of them: parameters, buffers, masks, a convolution's output),
         # kept and counted in one C++ call; their counts join the stats when read (settle) and at the exit.
+        # And the outputs of ReLU and its like that its rows would compact at once (the CPU's), kept and
+        # counted as they would (_AtOnce).
         self.as_is = _C.AsIs(_Dense, self.cache.entries, _MIN_NUMEL, _PYTHON_NODES, self.recent,
-                             _note_kept if recompute else None)
+                             _note_kept if recompute else None, COMPACTS, {_RELU_EXT_NODE}, _relu_ext_mask,
+                             _BN_NODES, Deferred, 1 - min_saving, _AtOnce(stats, self.cache, recompute))
 
     def pack(self, t: Tensor) -> Any:
         """The pack hook: `t` in the form it is kept in until backward unpacks it. Under CUDA-graph
@@ -535,6 +539,26 @@ class _ByTensor:
         entry = None if by_tensor is None else by_tensor.entries.get(key)
         if entry is not None and entry[0] is ref:
             by_tensor.entries.pop(key, None)
+
+
+class _AtOnce:
+    """What the C++ path (_C.AsIs) calls with a tensor it compacted at once, as the compaction row would
+    have (recipes._compacted, Compacted.now): its form, counted (_Packer._count), noted on its node
+    (_Packer._form), cached and returned for one node (_Packer._pack). Holds no packer: the C++ path,
+    which holds this, is not seen by Python's garbage collector."""
+
+    __slots__ = ("stats", "cache", "recompute")
+
+    def __init__(self, stats: _Stats, cache: _ByTensor, recompute: bool) -> None:
+        self.stats, self.cache, self.recompute = stats, cache, recompute
+
+    def __call__(self, t: Tensor, values: Tensor, mask: Tensor, shared: bool, nbytes: int) -> Compacted:
+        form = Compacted.at_once(t, values, mask, shared, nbytes)
+        self.stats.add(form.kind, t.nbytes, nbytes, None)
+        if self.recompute:
+            _note_kept(t, form)
+        self.cache.put(t, _Cached(t._version, form, False))
+        return form.again()
 
 
 class _Cached:
