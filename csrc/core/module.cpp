@@ -112,7 +112,7 @@ std::vector<std::string> scalar_names(const std::string& op) {
 
 }  // namespace
 
-void register_as_is(pybind11::module_& m);  // (csrc/compact/as_is.cpp)
+void register_native_packer(pybind11::module_& m);  // (csrc/compact/hooks.cpp)
 
 }  // namespace relu_ext
 
@@ -335,5 +335,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #define X(Act) register_node<Act>(m);
   RELU_EXT_ACTIVATIONS(X)
 #undef X
-  register_as_is(m);
+  register_native_packer(m);
 }

@@ -104,15 +104,19 @@ def set_recompute_probe(probe: Callable[[str, bool], bool]) -> None:
     aten's op, or relu_ext's own), recording a node under saved-tensor hooks,
     must run PyTorch's kernel for op (activation checkpointing, selective too)."""
 
-class AsIs:
-    """save_compact's pack hook for the saved tensors no form takes, kept as they are (parameters and
-    views of them, buffers, masks, outputs of ops the table has no row for): csrc/compact/as_is.cpp."""
+class NativePacker:
+    """save_compact's pack hook, its C++ path: the saved tensors no form takes, kept as they are
+    (parameters and views of them, buffers, masks, outputs of ops the table has no row for), and the
+    CPU compactions at once of ReLU's and its like's outputs: csrc/compact/hooks.cpp."""
 
     def __init__(self, dense: type, python_cache: dict[int, Any], min_numel: int, python_nodes: frozenset[str],
-                 recent: Any, note: Callable[[Tensor, Any], None] | None) -> None: ...
+                 recent: Any, note: Callable[[Tensor, Any], None] | None, compacts: frozenset[str],
+                 after: frozenset[str], deferred: type, share: float,
+                 compacted: Callable[[Tensor, Tensor, Tensor, bool, int], Any]) -> None: ...
 
     def keep(self, t: Tensor) -> Any:
-        """`t` kept as it is (a ``dense``), counted once; None where the Python path decides."""
+        """`t` kept as it is (a ``dense``) and counted once, or compacted (what ``compacted`` makes), or
+        the form made of it before, again; None where the Python path decides."""
 
     def counted(self, t: Tensor) -> bool:
         """Whether keep() counted `t`."""

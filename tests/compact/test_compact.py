@@ -372,11 +372,11 @@ class _Mixed(torch.nn.Module):
 @pytest.mark.parametrize("install", [False, True])
 @pytest.mark.parametrize("recompute", [True, False])
 def test_the_cpp_path_keeps_and_counts_as_the_python_path(install, recompute, monkeypatch):
-    """_C.AsIs, the pack hook's C++ path for the tensors kept as they are and the compactions at once,
+    """_C.NativePacker, the pack hook's C++ path for the tensors kept as they are and the compactions at once,
     changes nothing but the hook's time: with it turned off (every tensor through hooks._Packer's Python
     path) the same forms, the same counts and report, and the same step, bit for bit."""
 
-    class PythonOnly:  # (_C.AsIs taking nothing)
+    class PythonOnly:  # (_C.NativePacker taking nothing)
         def __init__(self, *args: Any) -> None:
             pass
 
@@ -399,7 +399,7 @@ def test_the_cpp_path_keeps_and_counts_as_the_python_path(install, recompute, mo
         packed: list[str] = []
         with pytest.MonkeyPatch.context() as patch:
             if python_only:
-                patch.setattr(hooks._C, "AsIs", PythonOnly)
+                patch.setattr(hooks._C, "NativePacker", PythonOnly)
             at_once = hooks._AtOnce.__call__
             patch.setattr(hooks._AtOnce, "__call__", lambda *args: packed.append("at once") or at_once(*args))
             sc = relu_ext.save_compact(recompute=recompute)
@@ -425,7 +425,7 @@ def test_the_cpp_path_keeps_and_counts_as_the_python_path(install, recompute, mo
 
 
 def test_the_cpp_path_takes_what_no_form_takes():
-    """What _C.AsIs keeps (a parameter, a view of one, a relu_ext mask, a convolution's output, small
+    """What _C.NativePacker keeps (a parameter, a view of one, a relu_ext mask, a convolution's output, small
     tensors), what it compacts (a ReLU output, by its own bitmap or by relu_ext's mask) and what it
     leaves to the Python path (an activation output after a BatchNorm, with too few zeros, or of an
     activation whose arguments say whether it is mostly zeros; an integer tensor to narrow, a float
@@ -439,9 +439,9 @@ def test_the_cpp_path_takes_what_no_form_takes():
     y = torch.relu(torch.randn(64, 128, requires_grad=True))
     ours = relu_ext.relu(torch.randn(64, 128, requires_grad=True))
     for t in (w, w.t(), torch.zeros(1024, dtype=torch.uint8), conv, torch.randn(100), torch.arange(100)):
-        assert isinstance(packer.as_is.keep(t), _Dense)
+        assert isinstance(packer.native.keep(t), _Dense)
     for t, shared in ((y, False), (ours, True)):
-        form = packer.as_is.keep(t)
+        form = packer.native.keep(t)
         assert isinstance(form, compact.Compacted) and form.shared == shared and form.pending == 1
         assert_bitwise_equal(form.restore(), t.detach())
 
@@ -454,8 +454,8 @@ def test_the_cpp_path_takes_what_no_form_takes():
     relu6 = torch.nn.functional.relu6(torch.randn(64, 128, requires_grad=True))
     for t in (after_bn, few_zeros, relu6, torch.arange(8192), torch.randn(8192), y[:, :64],
               torch.randn(8).as_subclass(Sub)):
-        assert packer.as_is.keep(t) is None
-    assert packer.as_is.take() == (5, w.nbytes + 1024 + conv.nbytes + 400 + 800, 1, w.nbytes)
+        assert packer.native.keep(t) is None
+    assert packer.native.take() == (5, w.nbytes + 1024 + conv.nbytes + 400 + 800, 1, w.nbytes)
     assert packer.stats.count["compacted"] == 2
 
 

@@ -214,7 +214,7 @@ class Compacted(_Shared):
 
     @classmethod
     def at_once(cls, t: Tensor, values: Tensor, mask: Tensor, shared: bool, nbytes: int) -> Compacted:
-        """`t` as the C++ path compacted it at once (csrc/compact/as_is.cpp; as ``now`` would): `values` by
+        """`t` as the C++ path compacted it at once (csrc/compact/hooks.cpp; as ``now`` would): `values` by
         `mask`, its node's where `shared`, `nbytes` in all."""
         form = cls.__new__(cls)
         _Shared.__init__(form, t, nbytes)

@@ -88,7 +88,7 @@ def _activation_nodes() -> dict[str, tuple[Any, bool]]:
 _ACTIVATION_NODES = _activation_nodes()
 ACTIVATION_NODES = frozenset(_ACTIVATION_NODES)  # (the names of the nodes of ReLU and the family)
 # The nodes whose outputs are mostly zeros whatever their arguments (ReLU's, Hardsigmoid's; see _mostly_zeros):
-# compacted at once on the CPU by the pack hook's C++ path (csrc/compact/as_is.cpp).
+# compacted at once on the CPU by the pack hook's C++ path (csrc/compact/hooks.cpp).
 COMPACTS = frozenset(name for name, (act, _) in _ACTIVATION_NODES.items() if not act.params and act.zeros(()))
 _RELU_EXT_NODE = next(name for name, (act, ours) in _ACTIVATION_NODES.items() if act.name == "relu" and ours)
 

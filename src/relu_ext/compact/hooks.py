@@ -16,8 +16,7 @@ from .. import _C
 from .bits import _is_dense
 from .deferred import Deferred
 from .forms import Compacted, Narrowed, _Dense, _Shared, _ViewOf
-from .graph import (_BN_NODES, _RELU_EXT_NODE, _REMAKE, COMPACTS, _after_batchnorm, _mostly_zeros, _node_name,
-                    _note_kept, _relu_ext_mask)
+from .graph import _BN_NODES, _REMAKE, COMPACTS, _after_batchnorm, _mostly_zeros, _node_name, _note_kept
 from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Recent, Row, _plain_dense
 from .stats import _Stats
 
@@ -29,7 +28,7 @@ _CPU_PENDING_BYTES = 256 << 20
 
 
 # The nodes whose outputs the pack hook's Python path decides (_Packer._pack): rows of the table and remade
-# ops; _C.AsIs keeps other nodes' outputs as they are.
+# ops; _C.NativePacker keeps other nodes' outputs as they are.
 _PYTHON_NODES = frozenset(node for node in (*FORMS_BY_NODE, *_REMAKE) if node is not None)
 
 
@@ -247,9 +246,9 @@ class _Packer:
         # kept and counted in one C++ call; their counts join the stats when read (settle) and at the exit.
         # And the outputs of ReLU and its like that its rows would compact at once (the CPU's), kept and
         # counted as they would (_AtOnce).
-        self.as_is = _C.AsIs(_Dense, self.cache.entries, _MIN_NUMEL, _PYTHON_NODES, self.recent,
-                             _note_kept if recompute else None, COMPACTS, {_RELU_EXT_NODE}, _relu_ext_mask,
-                             _BN_NODES, Deferred, 1 - min_saving, _AtOnce(stats, self.cache, recompute))
+        self.native = _C.NativePacker(_Dense, self.cache.entries, _MIN_NUMEL, _PYTHON_NODES, self.recent,
+                             _note_kept if recompute else None, COMPACTS, _BN_NODES, Deferred, 1 - min_saving,
+                             _AtOnce(stats, self.cache, recompute))
 
     def pack(self, t: Tensor) -> Any:
         """The pack hook: `t` in the form it is kept in until backward unpacks it. Under CUDA-graph
@@ -258,7 +257,7 @@ class _Packer:
             return _Dense(t)
         with self.lock:
             self.poll()
-            packed = self.as_is.keep(t)
+            packed = self.native.keep(t)
             return self._pack_view(t) if packed is None else packed
 
     def _pack_view(self, t: Tensor) -> Any:
@@ -281,7 +280,7 @@ class _Packer:
         """View `t` of a leaf that requires grad (a parameter: a Linear keeps its ``weight.t()``), saved as
         it is and counted as that leaf, once however many views of it are saved: the graph holds the
         leaf's storage, which is held outside it anyway. No row takes such a tensor."""
-        if self.cache.get(base) is None and not self.as_is.counted(base):
+        if self.cache.get(base) is None and not self.native.counted(base):
             self._count_kept(base, "not_activation")
             self.cache.put(base, _Cached(base._version, _Dense(base), True))
         return self._as_is(t)
@@ -310,7 +309,7 @@ class _Packer:
         packed = self._form(t, rows) if rows is not None else None
         if packed is None:
             # (Changed in place and saved again: counted once as it is, however many versions.)
-            counted = (hit is not None and hit.kept) or self.as_is.counted(t)
+            counted = (hit is not None and hit.kept) or self.native.counted(t)
             packed = self._kept(t, fn, rows=rows is not None, counted=counted)
         # (A form of another version: a second form, counted again.)
         self.cache.put(t, _Cached(t._version, packed, isinstance(packed, _Dense) or (hit is not None and hit.kept)))
@@ -453,7 +452,7 @@ class _Packer:
             while self.waiting:
                 self.resolve()
             self._narrow(wait=True)
-            self.stats.keep_many("not_activation", *self.as_is.take())
+            self.stats.keep_many("not_activation", *self.native.take())
 
     def exit(self) -> None:
         """When the context exits: resolve what has come back; count what is held outside the graph; start
@@ -469,8 +468,8 @@ class _Packer:
             if ref() is not None:  # (the graph holds a detached copy's object, not this one)
                 self.stats.held_outside(1, nbytes)
         self.unmade.clear()
-        self.stats.keep_many("not_activation", *self.as_is.take())
-        self.stats.held_outside(*self.as_is.outside())
+        self.stats.keep_many("not_activation", *self.native.take())
+        self.stats.held_outside(*self.native.outside())
         # Under CUDA-graph capture the integer tensors stay as they are: their range would come back at
         # the graph's replay.
         if not _capturing():
@@ -542,7 +541,7 @@ class _ByTensor:
 
 
 class _AtOnce:
-    """What the C++ path (_C.AsIs) calls with a tensor it compacted at once, as the compaction row would
+    """What the C++ path (_C.NativePacker) calls with a tensor it compacted at once, as the compaction row would
     have (recipes._compacted, Compacted.now): its form, counted (_Packer._count), noted on its node
     (_Packer._form), cached and returned for one node (_Packer._pack). Holds no packer: the C++ path,
     which holds this, is not seen by Python's garbage collector."""

@@ -69,7 +69,7 @@ class _Stats:
 
     def keep_many(self, reason: str, tensors: int, nbytes: int, outside: int, outside_bytes: int) -> None:
         """keep() of `tensors` tensors of `nbytes` bytes in all, `outside` of them (of `outside_bytes` bytes)
-        held outside the graph (hooks._Packer.as_is's counts)."""
+        held outside the graph (hooks._Packer.native's counts)."""
         self.kept_by_reason[reason] += tensors
         self.nbytes[_AS_IT_IS] += nbytes
         self.held[_AS_IT_IS] += nbytes

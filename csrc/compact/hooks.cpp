@@ -1,21 +1,25 @@
-// save_compact's pack hook for the saved tensors that no form of the table takes, kept as they are:
-// a relu_ext mask, parameters and views of them (a Linear's weight.t()), buffers, BatchNorm's
-// statistics, small tensors, outputs of ops the table has no row for (a convolution's). Most saved tensors
-// are these (a ResNet's BatchNorm saves five of them for each it saves of its input), and kept as
-// they are they need only be counted, once each. Inside a training step a Python hook's cost is
-// its interpreter's cache misses, not its work (docs/performance.md), so this is one C++ call:
-// relu_ext._C.AsIs, which hooks._Packer asks before its Python path, under its lock.
+// save_compact's pack hook, its C++ path: the saved tensors that no form of the table takes, kept as
+// they are (a relu_ext mask, parameters and views of them (a Linear's weight.t()), buffers, BatchNorm's
+// statistics, small tensors, outputs of ops the table has no row for: a convolution's), and the outputs
+// of ReLU and its like that the compaction row would compact at once (the CPU's). Most saved tensors are
+// the first (a ResNet's BatchNorm saves five of them for each it saves of its input), and kept as they
+// are they need only be counted, once each; the second are most of what an MLP saves. Inside a training
+// step a Python hook's cost is its interpreter's cache misses, not its work (docs/performance.md), so
+// this is one C++ call: relu_ext._C.NativePacker, which hooks._Packer asks before its Python path, under
+// its lock; a tensor it leaves (None) goes to that path, which decides as before.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/python.h>
 
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
+#include "activations/autograd.h"
 #include "compact/compact.h"
 
 namespace relu_ext {
@@ -34,23 +38,22 @@ const c10::DispatchKeySet kWrapped{c10::DispatchKey::Python, c10::DispatchKey::P
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl>;
 
-class AsIs {
+class NativePacker {
  public:
   // dense: the _Dense class; python_cache: the Python path's map (hooks._ByTensor.entries, by id), whose
   // tensors stay on that path; min_numel: the fewest elements any form takes (recipes._MIN_NUMEL);
   // python_nodes: the names of the nodes whose outputs the Python path decides (rows of the table,
   // remade ops); recent: the packer's recipes.Recent; note: graph._note_kept where the context
   // recomputes (a tensor with a node kept as it is is noted on it, as hooks._Packer does), else None.
-  // The compaction at once (compact()): compacts: the nodes whose outputs are always mostly zeros (ReLU's,
-  // Hardsigmoid's; recipes.COMPACTS); masks: relu_ext's, whose saved mask mask_of(t) gives; after:
-  // the nodes an activation's input comes from where its replay comes first (a BatchNorm's; and AddBackward0,
-  // the residual add of one); deferred: the Deferred class (its stand_in, for tests, makes every value
-  // wait); share: the most of its bytes a compaction may hold (1 - min_saving); compacted: what makes the
-  // form of one (hooks._Compactions).
-  AsIs(pybind11::object dense, pybind11::dict python_cache, int64_t min_numel, std::unordered_set<std::string> python_nodes,
-       pybind11::object recent, pybind11::object note, std::unordered_set<std::string> compacts,
-       std::unordered_set<std::string> masks, pybind11::object mask_of, std::unordered_set<std::string> after,
-       pybind11::object deferred, double share, pybind11::object compacted)
+  // For the compactions at once (compact()): compacts: the nodes whose outputs are mostly zeros whatever
+  // their arguments (graph.COMPACTS); after: the nodes after which an activation's output is replayed
+  // instead where the context recomputes (a BatchNorm's: graph._BN_NODES); deferred: the Deferred class
+  // (whose stand_in, in tests, makes every check wait); share: the most of its bytes a compaction may hold
+  // (1 - min_saving); compacted: what makes, counts and caches the form of one (hooks._AtOnce).
+  NativePacker(pybind11::object dense, pybind11::dict python_cache, int64_t min_numel,
+               std::unordered_set<std::string> python_nodes, pybind11::object recent, pybind11::object note,
+               std::unordered_set<std::string> compacts, std::unordered_set<std::string> after,
+               pybind11::object deferred, double share, pybind11::object compacted)
       : dense_(std::move(dense)),
         python_cache_(std::move(python_cache)),
         min_numel_(min_numel),
@@ -58,18 +61,17 @@ class AsIs {
         recent_(std::move(recent)),
         note_(std::move(note)),
         compacts_(std::move(compacts)),
-        masks_(std::move(masks)),
-        mask_of_(std::move(mask_of)),
         after_(std::move(after)),
         deferred_(std::move(deferred)),
         share_(share),
         compacted_(std::move(compacted)) {}
 
   // `obj` kept as it is (a _Dense), counted once however many nodes save it (a view of a parameter:
-  // counted as the parameter); None where the Python path decides: a view of a tensor a node made, an
-  // output of a node a row of the table or a remade op takes (made()), a tensor no node made that a
-  // form may take (an integer tensor to narrow, a bitmap of one that needs no gradient), a wrapper or
-  // subclass, or a tensor that path saw first.
+  // counted as the parameter), or compacted at once (made()), or the form made of it for a node before,
+  // again; None where the Python path decides: a view of a tensor a node made, an output of a node a
+  // row of the table or a remade op takes (made()), a tensor no node made that a form may take (an
+  // integer tensor to narrow, a bitmap of one that needs no gradient), a wrapper or subclass, or a
+  // tensor a form was made of at another version.
   pybind11::object keep(pybind11::handle obj) {
     PyObject* o = obj.ptr();
     if (!THPVariable_CheckExact(o)) return pybind11::none();
@@ -84,18 +86,20 @@ class AsIs {
     if (numel >= min_numel_ &&
         (narrowable(dtype) || (!needs_grad && (at::isFloatingType(dtype) || dtype == at::kBool))))
       return pybind11::none();
-    if (in_python_cache(obj)) return pybind11::none();
+    if (std::optional<pybind11::object> cached = from_python_cache(obj, t)) return *cached;
     count(t, /*made=*/false);
     return dense_(obj);
   }
 
   // Output `obj` of a node no row of the table takes and no remade op is (a convolution's, kept by its
-  // BatchNorm): kept as it is and noted on its node (hooks._Packer._kept); first, as for any tensor of an
-  // op outside the table, the remade forms' values held for the next are forgotten (recipes.Recent).
+  // BatchNorm): kept as it is and noted on its node (hooks._Packer._kept); or of a node in compacts_,
+  // compacted at once where it can be (compactable()). First, as for any tensor of an op outside the
+  // remade ones, the remade forms' values held for the next are forgotten (recipes.Recent).
   pybind11::object made(pybind11::handle obj, const at::Tensor& t) {
     const std::string name = t.grad_fn()->name();
+    if (std::optional<pybind11::object> cached = from_python_cache(obj, t)) return *cached;
     const bool compacts = compacts_.count(name) > 0;
-    if ((!compacts && python_nodes_.count(name) > 0) || in_python_cache(obj)) return pybind11::none();
+    if (!compacts && python_nodes_.count(name) > 0) return pybind11::none();
     if (compacts && !compactable(t)) return pybind11::none();
     forget_recent();
     if (compacts) return compact(obj, t, name);
@@ -132,9 +136,12 @@ class AsIs {
   // else None: the Python path keeps it, counted as too few zeros.
   pybind11::object compact(pybind11::handle obj, const at::Tensor& t, const std::string& name) {
     std::optional<at::Tensor> mask;
-    if (masks_.count(name) > 0) {
-      pybind11::object m = mask_of_(obj);
-      if (!m.is_none()) mask = THPVariable_Unpack(m.ptr());
+    if (name == Relu::kNode) {  // (graph._relu_ext_mask; unpacked through the hook that packed it)
+      at::Tensor saved = static_cast<MaskBackward<Relu>*>(t.grad_fn().get())->mask_.unpack();
+      if (saved.defined()) {
+        check_compaction_mask(saved, t, "relu_ext.save_compact");
+        mask = std::move(saved);
+      }
     }
     at::Tensor values, used;
     bool shared = false;
@@ -196,11 +203,22 @@ class AsIs {
     if (remembers) recent_.attr("forget")();
   }
 
-  // Whether the Python path saw `obj` first (it keeps it, see the constructor).
-  bool in_python_cache(pybind11::handle obj) const {
+  // Where the Python path (or compact()) made a form of `obj` first: that form again, for one node more,
+  // where `obj` is at the version it was made at (hooks._Packer._pack), else None (that path decides).
+  // Nothing where it did not.
+  std::optional<pybind11::object> from_python_cache(pybind11::handle obj, const at::Tensor& t) const {
     const pybind11::object id = pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(obj.ptr()));
     if (!id) throw pybind11::error_already_set();
-    return python_cache_.contains(id);
+    PyObject* entry = PyDict_GetItemWithError(python_cache_.ptr(), id.ptr());  // (ref, _Cached), borrowed
+    if (entry == nullptr) {
+      if (PyErr_Occurred()) throw pybind11::error_already_set();
+      return std::nullopt;
+    }
+    const pybind11::tuple pair = pybind11::reinterpret_borrow<pybind11::tuple>(entry);
+    if (!pair[0]().is(obj)) return std::nullopt;  // (its tensor gone, the entry not yet dropped)
+    const pybind11::object cached = pair[1];
+    if (cached.attr("version").cast<int64_t>() != static_cast<int64_t>(t._version())) return pybind11::none();
+    return cached.attr("packed").attr("again")();
   }
 
   // Count `t` once, kept as it is; one no node `made`, held outside the graph where it is a leaf that
@@ -241,8 +259,7 @@ class AsIs {
   std::unordered_set<std::string> python_nodes_;
   pybind11::object recent_;
   pybind11::object note_;
-  std::unordered_set<std::string> compacts_, masks_;
-  pybind11::object mask_of_;
+  std::unordered_set<std::string> compacts_;
   std::unordered_set<std::string> after_;
   pybind11::object deferred_;
   double share_;
@@ -255,22 +272,23 @@ class AsIs {
 
 }  // namespace
 
-void register_as_is(pybind11::module_& m) {
-  pybind11::class_<AsIs>(m, "AsIs",
-                         "save_compact's pack hook for the saved tensors no form takes, kept as they are (csrc/compact/as_is.cpp).")
+void register_native_packer(pybind11::module_& m) {
+  pybind11::class_<NativePacker>(m, "NativePacker",
+                         "save_compact's pack hook, its C++ path: the saved tensors no form takes, kept as they are, "
+                         "and CPU compactions at once (csrc/compact/hooks.cpp).")
       .def(pybind11::init<pybind11::object, pybind11::dict, int64_t, std::unordered_set<std::string>, pybind11::object,
                           pybind11::object, std::unordered_set<std::string>, std::unordered_set<std::string>,
-                          pybind11::object, std::unordered_set<std::string>, pybind11::object, double,
-                          pybind11::object>(),
+                          pybind11::object, double, pybind11::object>(),
            pybind11::arg("dense"), pybind11::arg("python_cache"), pybind11::arg("min_numel"),
            pybind11::arg("python_nodes"), pybind11::arg("recent"), pybind11::arg("note"), pybind11::arg("compacts"),
-           pybind11::arg("masks"), pybind11::arg("mask_of"), pybind11::arg("after"), pybind11::arg("deferred"),
+           pybind11::arg("after"), pybind11::arg("deferred"),
            pybind11::arg("share"), pybind11::arg("compacted"))
-      .def("keep", &AsIs::keep, pybind11::arg("t"),
-           "t kept as it is (a _Dense), counted once; None where the Python path decides.")
-      .def("counted", &AsIs::counted, pybind11::arg("t"), "Whether keep() counted t.")
-      .def("take", &AsIs::take, "(tensors, bytes, leaves, leaves' bytes) counted since the last call.")
-      .def("outside", &AsIs::outside,
+      .def("keep", &NativePacker::keep, pybind11::arg("t"),
+           "t kept as it is (a _Dense) and counted once, or compacted, or the form made of it before, again; "
+           "None where the Python path decides.")
+      .def("counted", &NativePacker::counted, pybind11::arg("t"), "Whether keep() counted t.")
+      .def("take", &NativePacker::take, "(tensors, bytes, leaves, leaves' bytes) counted since the last call.")
+      .def("outside", &NativePacker::outside,
            "(tensors, bytes) of the tensors counted since the last call that need no gradient and that something "
            "else still holds.");
 }
