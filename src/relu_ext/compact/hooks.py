@@ -28,7 +28,7 @@ _CPU_PENDING_BYTES = 256 << 20
 
 
 # The nodes whose outputs the pack hook's Python path decides (_Packer._pack): rows of the table and remade
-# ops; _C.NativePacker keeps other nodes' outputs as they are.
+# ops; _C.NativePacker keeps other nodes' outputs as they are (and compacts those of COMPACTS' nodes it can).
 _PYTHON_NODES = frozenset(node for node in (*FORMS_BY_NODE, *_REMAKE) if node is not None)
 
 
@@ -247,8 +247,8 @@ class _Packer:
         # And the outputs of ReLU and its like that its rows would compact at once (the CPU's), kept and
         # counted as they would (_AtOnce).
         self.native = _C.NativePacker(_Dense, self.cache.entries, _MIN_NUMEL, _PYTHON_NODES, self.recent,
-                             _note_kept if recompute else None, COMPACTS, _BN_NODES, Deferred, 1 - min_saving,
-                             _AtOnce(stats, self.cache, recompute))
+                                      _note_kept if recompute else None, COMPACTS, _BN_NODES, Deferred,
+                                      1 - min_saving, _AtOnce(stats, self.cache, recompute))
 
     def pack(self, t: Tensor) -> Any:
         """The pack hook: `t` in the form it is kept in until backward unpacks it. Under CUDA-graph
