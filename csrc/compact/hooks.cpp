@@ -7,7 +7,6 @@
 // step a Python hook's cost is its interpreter's cache misses, not its work (docs/performance.md), so
 // this is one C++ call: relu_ext._C.NativePacker, which hooks._Packer asks before its Python path, under
 // its lock; a tensor it leaves (None) goes to that path, which decides as before.
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/python.h>
@@ -147,7 +146,6 @@ class NativePacker {
     bool shared = false;
     {
       const pybind11::gil_scoped_release no_gil;
-      const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(values, used, shared) = compact_now_cpu(t, mask);
     }
     const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());

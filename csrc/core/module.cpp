@@ -214,13 +214,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "expand",
       [](const at::Tensor& values, const at::Tensor& mask, c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
         const pybind11::gil_scoped_release no_gil;
-        const at::AutoDispatchBelowADInplaceOrView below_autograd;  // (as compact_now: a saved tensor, rebuilt)
+        // Below autograd: what it makes is never differentiated (a saved tensor, rebuilt for backward).
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
         return expand_op().call(values, mask, size, stride, false);
       },
       pybind11::arg("values"), pybind11::arg("mask"), pybind11::arg("size"), pybind11::arg("stride"),
       "relu_ext::expand(values, mask, size, stride, False): the tensor values and mask were compacted from.");
   // The replay's ops, called once per replayed tensor when saved (bn_terms, bn_act_verify) and in
-  // backward (bn_act_rebuild): as compact_now, below autograd (their inputs are detached).
+  // backward (bn_act_rebuild): as expand, below autograd (their inputs are detached).
   m.def(
       "bn_terms",
       [](const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,
