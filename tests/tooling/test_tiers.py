@@ -4,6 +4,7 @@ of every test, and drops no test function the full tier has, except those marked
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # hardtanh with a NaN bound, each dtype once, milliseconds each. 1,032 -> 1,034: 16-bit hardtanh
 # bounds that round to zero. 1,034 -> 1,036: vmap layouts and forward-over-reverse signed zeros,
 # relu's case of each. 1,036 -> 1,038: views of a parameter counted once, the pack hook's density
-# test against the Python one, milliseconds each.)
+# test against the Python one, milliseconds each.) Counted without the tests of the AVX-512 kernel
+# set, which only some machines have: with a third kernel set the tier covers it in tests of its
+# own (each with each dtype), and the same tier measured 1,038 on an AVX2 machine and 1,041 on an
+# AVX-512 one. The bound is an AVX2 machine's count; an AVX-512 one runs those tests beside it.
 QUICK_TIER_BOUND = 1038
 
 
@@ -58,7 +62,8 @@ def test_the_quick_tier_is_bounded_and_keeps_every_test_function(tmp_path):
     assert list(tags) == full
     quick, rest, full_only = ([i for i in full if tags[i][k] == "1"] for k in range(3))
     assert quick == _collected()  # what a plain run collects
-    assert 300 <= len(quick) <= QUICK_TIER_BOUND, f"the quick tier collects {len(quick)} tests"
+    counted = [i for i in quick if not re.search(r"[\[-]avx512[-\]]", i)]
+    assert 300 <= len(counted) <= QUICK_TIER_BOUND, f"the quick tier collects {len(counted)} tests (AVX-512's aside)"
     assert set(quick) < set(full)
     assert set(rest) <= set(full) and not set(quick) & set(rest)
     # --rest runs what --full adds to the quick tier, but for tests with quick(rest=...).
