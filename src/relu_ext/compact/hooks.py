@@ -194,21 +194,24 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
                 + " ".join(f"{name}={value}" for name, value in fields.items()) + ">")
 
 
-def _unpack_hook(packer: weakref.ref) -> Callable[[Any], Tensor]:
-    """An unpack hook of a context's own: the graph holds it and recipes tell this context's saved forms
-    by it (``SavedTensor.unpack_hook is``), so each context has one, and it holds its packer weakly
-    (the graph would otherwise keep the packer's state alive): each unpack resolves the checks that
-    have come back (_Packer.poll), under the packer's lock: backward unpacks on a thread per device."""
+class _Unpack:
+    """A context's own unpack hook: the graph holds it and recipes tell this context's saved forms by
+    it (``SavedTensor.unpack_hook is``), so each context has one, and it holds its packer weakly (the
+    graph would otherwise keep the packer's state alive): each unpack resolves the checks that have
+    come back (_Packer.poll), under the packer's lock: backward unpacks on a thread per device."""
 
-    def unpack(packed: Any) -> Tensor:
-        owner = packer()
+    __slots__ = ("packer",)
+
+    def __init__(self, packer: _Packer) -> None:
+        self.packer = weakref.ref(packer)
+
+    def __call__(self, packed: Any) -> Tensor:
+        owner = self.packer()
         if owner is None:
             return packed.restore()
         with owner.lock:
             owner.poll()
             return packed.restore()
-
-    return unpack
 
 
 class _Packer:
@@ -221,7 +224,7 @@ class _Packer:
         # the unpack hooks, on a thread per device, and a form's fields and the queues below are
         # read and changed together. Reentrant: a rebuild may read other forms.
         self.lock = threading.RLock()
-        self.unpack = _unpack_hook(weakref.ref(self))
+        self.unpack: Callable[[Any], Tensor] = _Unpack(self)
         # Saved by several nodes (a ReLU output and the conv after it), a tensor is
         # compacted, or counted as kept, once: tensor -> _Cached.
         self.cache = _ByTensor()
