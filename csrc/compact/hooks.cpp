@@ -8,6 +8,7 @@
 // this is one C++ call: relu_ext._C.NativePacker, which hooks._Packer asks before its Python path, under
 // its lock; a tensor it leaves (None) goes to that path, which decides as before.
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_anomaly_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/python.h>
 
@@ -42,8 +43,9 @@ class NativePacker {
   // dense: the _Dense class; python_cache: the Python path's map (hooks._ByTensor.entries, by id), whose
   // tensors stay on that path; min_numel: the fewest elements any form takes (recipes._MIN_NUMEL);
   // python_nodes: the names of the nodes whose outputs the Python path decides (rows of the table,
-  // remade ops); recent: the packer's recipes.Recent; note: graph._note_kept where the context
-  // recomputes (a tensor with a node kept as it is is noted on it, as hooks._Packer does), else None.
+  // remade ops); recent: the packer's recipes.Recent; note: graph._KEPT where the context recomputes (a
+  // tensor with a node, kept as it is or compacted, is noted on it under that key, as hooks._Packer
+  // does with graph._note_kept: note()), else None.
   // For the compactions at once (compact()): compacts: the nodes whose outputs are mostly zeros whatever
   // their arguments (graph.COMPACTS); after: the nodes after which an activation's output is replayed
   // instead where the context recomputes (a BatchNorm's: graph._BN_NODES); deferred: the Deferred class
@@ -104,7 +106,7 @@ class NativePacker {
     if (compacts) return compact(obj, t, name);
     count(t, /*made=*/true);
     pybind11::object dense = dense_(obj);
-    if (!note_.is_none()) note_(obj, dense);
+    this->note(t, dense);
     return dense;
   }
 
@@ -152,7 +154,9 @@ class NativePacker {
     const int64_t cost = values.numel() * static_cast<int64_t>(values.element_size()) +
                          (shared ? 0 : used.numel() * static_cast<int64_t>(used.element_size()));
     if (static_cast<double>(cost) > share_ * static_cast<double>(nbytes)) return pybind11::none();
-    return compacted_(obj, values, used, shared, cost);
+    pybind11::object form = compacted_(obj, values, used, shared, cost);
+    this->note(t, form);
+    return form;
   }
 
   // A view of a leaf that requires grad (a parameter: a Linear keeps its weight.t()), kept as it is and
@@ -162,7 +166,7 @@ class NativePacker {
     if (base.grad_fn() != nullptr || !base.requires_grad()) return pybind11::none();
     count(base, /*made=*/false);
     pybind11::object dense = dense_(obj);
-    if (!note_.is_none() && t.grad_fn() != nullptr) note_(obj, dense);
+    if (t.grad_fn() != nullptr) this->note(t, dense);
     return dense;
   }
 
@@ -193,6 +197,26 @@ class NativePacker {
   }
 
  private:
+  // graph._note_kept, where the context recomputes: on `t`'s node, under note_, its output number ->
+  // a weak reference to `packed`, what this context saved for `t` (graph._kept reads it: a later
+  // recipe reads `t` through it). The node's metadata dict is the one Python's `grad_fn.metadata`
+  // gives (torch's THPCppFunction_metadata reads it so): no Python call per tensor, the cost this path
+  // exists to avoid.
+  void note(const at::Tensor& t, pybind11::handle packed) {
+    if (note_.is_none()) return;
+    auto* metadata = static_cast<torch::autograd::PyAnomalyMetadata*>(t.grad_fn()->metadata());
+    const pybind11::dict entries = pybind11::reinterpret_borrow<pybind11::dict>(metadata->dict());
+    PyObject* found = PyDict_GetItemWithError(entries.ptr(), note_.ptr());  // borrowed
+    if (found == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
+    pybind11::dict kept;
+    if (found == nullptr) {
+      entries[note_] = kept;
+    } else {
+      kept = pybind11::reinterpret_borrow<pybind11::dict>(found);
+    }
+    kept[pybind11::int_(t.output_nr())] = pybind11::weakref(packed);
+  }
+
   // As hooks._Packer._pack, for any tensor of an op outside the remade ones: the remade forms' values held
   // for the next are forgotten (recipes.Recent).
   void forget_recent() {

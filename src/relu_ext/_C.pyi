@@ -110,7 +110,7 @@ class NativePacker:
     CPU compactions at once of ReLU's and its like's outputs: csrc/compact/hooks.cpp."""
 
     def __init__(self, dense: type, python_cache: dict[int, Any], min_numel: int, python_nodes: frozenset[str],
-                 recent: Any, note: Callable[[Tensor, Any], None] | None, compacts: frozenset[str],
+                 recent: Any, note: str | None, compacts: frozenset[str],
                  after: frozenset[str], deferred: type, share: float,
                  compacted: Callable[[Tensor, Tensor, Tensor, bool, int], Any]) -> None: ...
 

@@ -297,7 +297,8 @@ _KEPT = "relu_ext.save_compact.kept"
 
 
 def _note_kept(t: Tensor, packed: Any) -> None:
-    """Note on `t`'s node what this context saved for `t` (see _kept).
+    """Note on `t`'s node what this context saved for `t` (see _kept). The pack hook's C++ path
+    (csrc/compact/hooks.cpp, NativePacker::note) writes the same entry for the tensors it takes.
     Checked on torch 2.11, 2.14.1 and 2.15.0."""
     t.grad_fn.metadata.setdefault(_KEPT, {})[t.output_nr] = weakref.ref(packed)
 

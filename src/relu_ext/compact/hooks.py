@@ -16,7 +16,7 @@ from .. import _C
 from .bits import _is_dense
 from .deferred import Deferred
 from .forms import Compacted, Narrowed, _Dense, _Shared, _ViewOf
-from .graph import _BN_NODES, _REMAKE, COMPACTS, _after_batchnorm, _mostly_zeros, _node_name, _note_kept
+from .graph import _BN_NODES, _KEPT, _REMAKE, COMPACTS, _after_batchnorm, _mostly_zeros, _node_name, _note_kept
 from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Recent, Row, _plain_dense
 from .stats import _Stats
 
@@ -250,8 +250,8 @@ class _Packer:
         # And the outputs of ReLU and its like that its rows would compact at once (the CPU's), kept and
         # counted as they would (_AtOnce).
         self.native = _C.NativePacker(_Dense, self.cache.entries, _MIN_NUMEL, _PYTHON_NODES, self.recent,
-                                      _note_kept if recompute else None, COMPACTS, _BN_NODES, Deferred,
-                                      1 - min_saving, _AtOnce(stats, self.cache, recompute))
+                                      _KEPT if recompute else None, COMPACTS, _BN_NODES, Deferred,
+                                      1 - min_saving, _AtOnce(stats, self.cache))
 
     def pack(self, t: Tensor) -> Any:
         """The pack hook: `t` in the form it is kept in until backward unpacks it. Under CUDA-graph
@@ -545,20 +545,18 @@ class _ByTensor:
 
 class _AtOnce:
     """What the C++ path (_C.NativePacker) calls with a tensor it compacted at once, as the compaction row would
-    have (recipes._compacted, Compacted.now): its form, counted (_Packer._count), noted on its node
-    (_Packer._form), cached and returned for one node (_Packer._pack). Holds no packer: the C++ path,
-    which holds this, is not seen by Python's garbage collector."""
+    have (recipes._compacted, Compacted.now): its form, counted (_Packer._count), cached and returned for one
+    node (_Packer._pack); the C++ path notes it on the tensor's node (_Packer._form's note). Holds no
+    packer: the C++ path, which holds this, is not seen by Python's garbage collector."""
 
-    __slots__ = ("stats", "cache", "recompute")
+    __slots__ = ("stats", "cache")
 
-    def __init__(self, stats: _Stats, cache: _ByTensor, recompute: bool) -> None:
-        self.stats, self.cache, self.recompute = stats, cache, recompute
+    def __init__(self, stats: _Stats, cache: _ByTensor) -> None:
+        self.stats, self.cache = stats, cache
 
     def __call__(self, t: Tensor, values: Tensor, mask: Tensor, shared: bool, nbytes: int) -> Compacted:
         form = Compacted.at_once(t, values, mask, shared, nbytes)
         self.stats.add(form.kind, t.nbytes, nbytes, None)
-        if self.recompute:
-            _note_kept(t, form)
         self.cache.put(t, _Cached(t._version, form, False))
         return form.again()
 
