@@ -8,7 +8,6 @@
 // this is one C++ call: relu_ext._C.NativePacker, which hooks._Packer asks before its Python path, under
 // its lock; a tensor it leaves (None) goes to that path, which decides as before.
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/python_anomaly_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/python.h>
 
@@ -106,7 +105,7 @@ class NativePacker {
     if (compacts) return compact(obj, t, name);
     count(t, /*made=*/true);
     pybind11::object dense = dense_(obj);
-    this->note(t, dense);
+    this->note(obj, t, dense);
     return dense;
   }
 
@@ -155,7 +154,7 @@ class NativePacker {
                          (shared ? 0 : used.numel() * static_cast<int64_t>(used.element_size()));
     if (static_cast<double>(cost) > share_ * static_cast<double>(nbytes)) return pybind11::none();
     pybind11::object form = compacted_(obj, values, used, shared, cost);
-    this->note(t, form);
+    this->note(obj, t, form);
     return form;
   }
 
@@ -166,7 +165,7 @@ class NativePacker {
     if (base.grad_fn() != nullptr || !base.requires_grad()) return pybind11::none();
     count(base, /*made=*/false);
     pybind11::object dense = dense_(obj);
-    if (t.grad_fn() != nullptr) this->note(t, dense);
+    if (t.grad_fn() != nullptr) this->note(obj, t, dense);
     return dense;
   }
 
@@ -197,15 +196,17 @@ class NativePacker {
   }
 
  private:
-  // graph._note_kept, where the context recomputes: on `t`'s node, under note_, its output number ->
-  // a weak reference to `packed`, what this context saved for `t` (graph._kept reads it: a later
-  // recipe reads `t` through it). The node's metadata dict is the one Python's `grad_fn.metadata`
-  // gives (torch's THPCppFunction_metadata reads it so): no Python call per tensor, the cost this path
-  // exists to avoid.
-  void note(const at::Tensor& t, pybind11::handle packed) {
+  // graph._note_kept, where the context recomputes: on the node of `obj` (`t`), under note_, its output
+  // number -> a weak reference to `packed`, what this context saved for it (graph._kept reads it: a
+  // later recipe reads `t` through it). Through the node's `metadata` dict, as that function, with no
+  // Python function call per tensor: the cost this path exists to avoid. (Not by casting the C++ node's
+  // metadata() to torch's PyAnomalyMetadata: that type's typeinfo is not exported, and the sanitizer
+  // build's vptr check needs it to load the module.)
+  void note(pybind11::handle obj, const at::Tensor& t, pybind11::handle packed) {
     if (note_.is_none()) return;
-    auto* metadata = static_cast<torch::autograd::PyAnomalyMetadata*>(t.grad_fn()->metadata());
-    const pybind11::dict entries = pybind11::reinterpret_borrow<pybind11::dict>(metadata->dict());
+    static PyObject* const grad_fn = PyUnicode_InternFromString("grad_fn");  // (never freed: no decref at exit)
+    static PyObject* const metadata = PyUnicode_InternFromString("metadata");
+    const pybind11::dict entries = obj.attr(grad_fn).attr(metadata);
     PyObject* found = PyDict_GetItemWithError(entries.ptr(), note_.ptr());  // borrowed
     if (found == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
     pybind11::dict kept;
