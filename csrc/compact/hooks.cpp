@@ -207,15 +207,14 @@ class NativePacker {
     static PyObject* const grad_fn = PyUnicode_InternFromString("grad_fn");  // (never freed: no decref at exit)
     static PyObject* const metadata = PyUnicode_InternFromString("metadata");
     const pybind11::dict entries = obj.attr(grad_fn).attr(metadata);
-    PyObject* found = PyDict_GetItemWithError(entries.ptr(), note_.ptr());  // borrowed
-    if (found == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
-    pybind11::dict kept;
-    if (found == nullptr) {
-      entries[note_] = kept;
-    } else {
-      kept = pybind11::reinterpret_borrow<pybind11::dict>(found);
+    PyObject* kept = PyDict_GetItemWithError(entries.ptr(), note_.ptr());  // borrowed
+    if (kept == nullptr) {  // (the node's first: a dict of its own, held by its metadata)
+      if (PyErr_Occurred()) throw pybind11::error_already_set();
+      const pybind11::dict fresh;
+      entries[note_] = fresh;
+      kept = fresh.ptr();
     }
-    kept[pybind11::int_(t.output_nr())] = pybind11::weakref(packed);
+    pybind11::handle{kept}[pybind11::int_(t.output_nr())] = pybind11::weakref(packed);
   }
 
   // As hooks._Packer._pack, for any tensor of an op outside the remade ones: the remade forms' values held
