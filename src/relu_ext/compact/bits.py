@@ -9,6 +9,9 @@ from .. import _C
 from .deferred import Deferred
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# The CPU's two answers, made once (no check's value ever changes: see Deferred): a bool tensor made
+# per check costs an allocation with cold caches inside a step.
+_SAME, _DIFFERENT = torch.tensor(True, device="cpu"), torch.tensor(False, device="cpu")
 
 
 def _same_bits_later(pairs: list[tuple[Tensor, Tensor]]) -> Tensor:
@@ -16,7 +19,7 @@ def _same_bits_later(pairs: list[tuple[Tensor, Tensor]]) -> Tensor:
     payloads and the sign of zero counting: a bool tensor on the pairs' device, not read (the pack hook
     reads it through a Deferred). A memcmp on the CPU, elsewhere _same_bits_on_device."""
     if all(a.device.type == "cpu" for a, _ in pairs):
-        return torch.tensor(all(_C.same_bits(a, b) for a, b in pairs))
+        return _SAME if all(_C.same_bits(a, b) for a, b in pairs) else _DIFFERENT
     return _same_bits_on_device(pairs)
 
 
