@@ -2,7 +2,8 @@
 pattern of its own, from timm's and transformers' configs with random weights: a training step under
 install() + save_compact(), in float32 and under bfloat16 autocast, gives PyTorch's loss and every
 gradient bit for bit (strides included), with the model's own pattern taken (the ops remade, the
-replays). A sweep of some fifty such models found none that differs; these keep the patterns covered."""
+replays). A sweep of 57 such models found none that differs (docs/performance.md, session 48); these
+keep its patterns covered."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it chec
 
 
 def _timm(name: str, side: int, **kwargs: Any) -> Callable[[], tuple[torch.nn.Module, Any]]:
+    """timm's `name` (10 classes, `kwargs` to create_model) and a batch of two `side` x `side` images."""
+
     def make() -> tuple[torch.nn.Module, Any]:
         timm = pytest.importorskip("timm")
         return timm.create_model(name, pretrained=False, num_classes=10, **kwargs), torch.randn(2, 3, side, side)
@@ -27,6 +30,7 @@ def _timm(name: str, side: int, **kwargs: Any) -> Callable[[], tuple[torch.nn.Mo
 
 
 def _whisper() -> tuple[torch.nn.Module, Any]:
+    """transformers' Whisper, 2 + 2 layers of 64, and two 16-bin spectrograms with labels."""
     tf = pytest.importorskip("transformers")
     config = tf.WhisperConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                               decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, num_mel_bins=16,
@@ -38,6 +42,7 @@ def _whisper() -> tuple[torch.nn.Module, Any]:
 
 
 def _wav2vec2() -> tuple[torch.nn.Module, Any]:
+    """transformers' wav2vec2 classifier, 2 layers of 64, and two one-second waveforms with labels."""
     tf = pytest.importorskip("transformers")
     # (No SpecAugment: its masks come from NumPy's generator, which the two steps would not share.)
     config = tf.Wav2Vec2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
@@ -69,12 +74,14 @@ ZOO: dict[str, tuple[Callable[[], tuple[torch.nn.Module, Any]], frozenset[str]]]
 
 
 def _loss(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+    """The model's own loss (transformers'), else the mean square of its output."""
     if isinstance(inputs, dict):
         return model(**inputs).loss
     return model(inputs).float().square().mean()
 
 
-def _step(model: torch.nn.Module, inputs: Any, ctx: Any, amp: Callable[[], Any]) -> list[torch.Tensor]:
+def _step(model: torch.nn.Module, inputs: Any, ctx: Any, amp: Callable[[], Any]) -> list[torch.Tensor | None]:
+    """One step's loss and every parameter's gradient (None: unused), its forward under `ctx` and `amp()`."""
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(1)  # (the same dropout noise in both steps)
