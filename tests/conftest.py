@@ -199,22 +199,24 @@ def ext():
     return relu_ext
 
 
-def train_step(model: torch.nn.Module, x: torch.Tensor, ctx: Any, **backward: Any) -> tuple[torch.Tensor, list]:
-    """One seeded step under `ctx` (the forward only): the loss and every parameter's gradient (None where none)."""
+def train_step(model: torch.nn.Module, x: Any, ctx: Any, **backward: Any) -> tuple[torch.Tensor, list]:
+    """One seeded step under `ctx` (the forward only): the loss (the mean square of the output; for a dict
+    of inputs, a transformers model's own) and every parameter's gradient (None where none)."""
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(1)
     with ctx:
-        loss = model(x).float().square().mean()
+        loss = model(**x).loss if isinstance(x, dict) else model(x).float().square().mean()
     loss.backward(**backward)
     return loss.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 def assert_same_step(a: tuple, b: tuple) -> None:
-    """Two train_step results, bit for bit."""
+    """Two train_step results, bit for bit, each gradient in the same strides."""
     assert_bitwise_equal(a[0], b[0], "loss")
     assert len(a[1]) == len(b[1])
     for i, (ga, gb) in enumerate(zip(a[1], b[1])):
         assert (ga is None) == (gb is None), f"gradient {i}"
         if ga is not None:
+            assert ga.stride() == gb.stride(), f"gradient {i}: strides {ga.stride()} != {gb.stride()}"
             assert_bitwise_equal(ga, gb, f"gradient {i}")

@@ -8,13 +8,13 @@ keep its patterns covered."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 
 import relu_ext
-from conftest import assert_bitwise_equal
+from conftest import assert_same_step, train_step
 
 pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
 
@@ -76,22 +76,11 @@ ZOO: dict[str, tuple[Callable[[], tuple[torch.nn.Module, Any]], frozenset[str]]]
 }
 
 
-def _loss(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-    """The model's own loss (transformers'), else the mean square of its output."""
-    if isinstance(inputs, dict):
-        return model(**inputs).loss
-    return model(inputs).float().square().mean()
-
-
-def _step(model: torch.nn.Module, inputs: Any, ctx: Any, amp: Callable[[], Any]) -> list[torch.Tensor | None]:
-    """One step's loss and every parameter's gradient (None: unused), its forward under `ctx` and `amp()`."""
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(1)  # (the same dropout noise in both steps)
+@contextlib.contextmanager
+def _with_amp(ctx: Any, amp: Callable[[], Any]) -> Iterator[None]:
+    """`ctx` and `amp()` together: a step's forward runs under both."""
     with ctx, amp():
-        loss = _loss(model, inputs)
-    loss.backward()
-    return [loss.detach(), *(p.grad for p in model.parameters())]
+        yield
 
 
 @pytest.mark.quick(cover=(), rest=("model",))  # a real model takes seconds: --rest runs each once
@@ -108,16 +97,10 @@ def test_more_architectures_train_bit_for_bit(model, dtype):
     assert not zero, f"weights that start at zero hide what their inputs' rebuilds give: {zero}"
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == torch.bfloat16 else contextlib.nullcontext
     relu_ext.uninstall()
-    want = _step(net, inputs, contextlib.nullcontext(), amp)
+    want = train_step(net, inputs, _with_amp(contextlib.nullcontext(), amp))
     sc = relu_ext.save_compact()
     with relu_ext.install():
-        got = _step(net, inputs, sc, amp)
+        got = train_step(net, inputs, _with_amp(sc, amp))
     found = set(sc.remade_by_op) | ({"replayed"} if sc.replayed else set())
     assert taken <= found and sc.replay_misses == 0, sc.report()
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            what = f"{model}: {'loss' if i == 0 else f'gradient {i}'}"
-            assert a.stride() == b.stride(), what
-            assert_bitwise_equal(a, b, what)
+    assert_same_step(got, want)
