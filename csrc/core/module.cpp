@@ -271,6 +271,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pybind11::arg("t"), pybind11::arg("numel"),
       "Whether t is a strided (not nested) CPU or CUDA tensor of at least `numel` elements that fills a block of "
       "memory exactly once, in any order of dimensions.");
+  // A tensor's version counter outlives the tensor (views share it): a form of save_compact that no
+  // longer holds its tensor reads it, so that a change in place after the forward gives PyTorch's
+  // error even once the tensor is freed.
+  pybind11::class_<c10::VariableVersion>(m, "VersionCounter",
+                                         "A tensor's version counter, shared with its views; holds no data.")
+      .def_property_readonly("version", &c10::VariableVersion::current_version,
+                             "The counter's value now: t._version of every tensor that shares it.");
+  m.def(
+      "version_counter", [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->version_counter(); },
+      pybind11::arg("t"), "t's version counter (not its data): t._version, read later, even after t is freed.");
   m.def("bits_sum", &bits_sum_cpu, pybind11::arg("t"),
         "The sum of a dense CPU tensor's bytes as 64-bit words from its first element, modulo 2**64 (as an int64).");
   m.def(

@@ -73,6 +73,17 @@ def dense_at_least(t: Tensor, numel: int) -> bool:
     """Whether `t` is a strided (not nested) CPU or CUDA tensor of at least `numel` elements that fills a
     block of memory exactly once, in any order of dimensions (save_compact's pack hook)."""
 
+class VersionCounter:
+    """A tensor's version counter, shared with its views; holds no data."""
+
+    @property
+    def version(self) -> int:
+        """The counter's value now: ``t._version`` of every tensor that shares it."""
+
+def version_counter(t: Tensor) -> VersionCounter:
+    """`t`'s version counter (not its data): ``t._version``, read later, even after `t` is freed
+    (save_compact's forms)."""
+
 def bits_sum(t: Tensor) -> int:
     """The sum of a dense CPU tensor's bytes as 64-bit words from its first element, modulo 2**64, as
     an int64 (the fingerprint of a remade tensor's rebuild). RuntimeError for another tensor."""

@@ -831,9 +831,8 @@ def test_dropout_noise_kept_as_a_bitmap(dtype):
 
 
 def test_two_valued_tensor_changed_in_place():
-    """Changed in place after it was saved: backward raises PyTorch's error while the tensor
-    lives (its holder changed it), and gets the values the forward used once it is gone; never
-    the changed values."""
+    """Changed in place after it was saved: backward raises PyTorch's error, as without hooks, whether
+    the tensor lives (its holder changed it) or is gone since; never the changed values."""
     w = torch.randn(8192, requires_grad=True)
     noise = torch.where(torch.rand(8192) < 0.5, 0.0, 2.0)
     for ctx in (relu_ext.save_compact(), contextlib.nullcontext()):
@@ -847,14 +846,16 @@ def test_two_valued_tensor_changed_in_place():
         w.grad = None
         z.backward()
         assert torch.equal(w.grad, noise)
-    with relu_ext.save_compact() as sc:
-        gone = noise.clone()
-        z = (w * gone).sum()
-        gone.mul_(2)
-        del gone
-    w.grad = None
-    z.backward()
-    assert sc.two_valued == 1 and torch.equal(w.grad, noise)
+    sc = relu_ext.save_compact()
+    for ctx in (sc, contextlib.nullcontext()):
+        with ctx:
+            gone = noise.clone()
+            z = (w * gone).sum()
+            gone.mul_(2)
+            del gone
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.backward()
+    assert sc.two_valued == 1
 
 
 def test_two_valued_not_kept_on_cuda_or_when_a_node_made_it():
@@ -974,29 +975,35 @@ def test_training_step_is_bitwise_the_same(act, dtype):
 
 
 def test_relu_output_changed_in_place_after_save():
-    """Compacted and changed in place: PyTorch's error while the tensor lives; changed and then freed
-    (the one change it cannot see), backward gets the forward's values. Saved as it is: PyTorch's error."""
+    """Compacted and changed in place: PyTorch's error, whether the tensor lives or was freed since, and
+    changed through a view of it. Saved as it is: PyTorch's error."""
     w = torch.randn(8192, requires_grad=True)
     x = torch.randn(8192)
 
-    def run(change: bool, free: bool = True) -> torch.Tensor:
+    def run(change: str, free: bool = True) -> torch.Tensor:
         w.grad = None
         with relu_ext.save_compact() as sc:
             y = torch.relu(x.clone().requires_grad_() * 1)
             z = (y * w).sum()
-        if change:
+        view = y[::2]
+        if change == "before the free":
             with torch.no_grad():
                 y.add_(1.0)
         if free:
             del y
+        if change == "through a view":
+            with torch.no_grad():
+                view.mul_(2.0)
         assert sc.compacted == 1
         z.backward()
         return w.grad.clone()
 
-    assert_bitwise_equal(run(True), run(False))
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        run(True, free=False)
-    assert_bitwise_equal(run(False, free=False), run(False))
+    for change in ("before the free", "through a view"):
+        for free in (True, False):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                run(change, free)
+    assert_bitwise_equal(run("none", free=False), run("none"))
+    assert_bitwise_equal(run("none"), torch.relu(x))
     v = torch.randn(64, requires_grad=True)
     with relu_ext.save_compact():
         s = torch.sigmoid(v * 1)

@@ -595,15 +595,16 @@ def _forms_made(monkeypatch: pytest.MonkeyPatch, hold: bool = True) -> list[tupl
     return made
 
 
+@pytest.mark.parametrize("changed", [True, False], ids=["changed", "unchanged"])
 @pytest.mark.parametrize("then", ["alive", "freed"])
-@pytest.mark.parametrize("back", ["pending", "back", "changed_then_back"])
+@pytest.mark.parametrize("back", ["pending", "back", "back_after"])
 @pytest.mark.parametrize("kind", ["compacted", "replayed", "pooled", "concatenated", "two_valued"])
-def test_changed_in_place_after_the_forward(events, monkeypatch, kind, back, then):
-    """A saved tensor kept in a form, changed in place after the forward. While it lives, backward raises
-    PyTorch's in-place error whether or not its check has come back (until then the form holds the
-    tensor itself, and keeps it where it changed meanwhile; after, it stands for it weakly, with its
-    version). Changed and then freed once the check is back, the one change it cannot see: backward
-    gets the forward's values, never new ones."""
+def test_changed_in_place_after_the_forward(events, monkeypatch, kind, back, then, changed):
+    """A saved tensor kept in a form, changed in place after the forward: backward raises PyTorch's
+    in-place error whether or not its check has come back (`back`: before the change, `back_after`
+    it; until then the form holds the tensor itself, and keeps it where it changed meanwhile; after,
+    it stands for it weakly, with its version counter), and whether the tensor lives or was freed
+    since. Unchanged, the same step is PyTorch's."""
     sc = relu_ext.save_compact()
     packer = sc._packer
     formed = _forms_made(monkeypatch)
@@ -617,16 +618,17 @@ def test_changed_in_place_after_the_forward(events, monkeypatch, kind, back, the
     if back == "back":
         _come_back(events, packer)
     assert (form.whole is None) == (back == "back")
-    with torch.no_grad():
-        t.add_(1)
-    if back == "changed_then_back":
+    if changed:
+        with torch.no_grad():
+            t.add_(1)
+    if back == "back_after":
         _come_back(events, packer)
-        assert form.whole is not None
+        assert (form.whole is not None) == changed  # (kept as it is where it changed before its check)
     if then == "freed":
         alive = weakref.ref(t)
         del t
         assert alive() is None
-    if then == "alive" or back != "back":
+    if changed:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
         return

@@ -28,11 +28,17 @@ _ops = torch.ops.relu_ext
 def _check_version(t: Tensor, version: int, why: str) -> None:
     """PyTorch's in-place error where `t` changed (its version counter) since it was saved."""
     if t._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-            f"{version} instead ({why})."
-        )
+        _changed(t, t._version, version, why)
+
+
+def _changed(t: Tensor | None, now: int, version: int, why: str) -> None:
+    """Raise PyTorch's in-place error for a saved tensor `t` (None: freed since) at version `now`, saved
+    at `version`."""
+    what = "a tensor freed since" if t is None else f"{t.type()} {list(t.shape)}"
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{what}] is at version {now}; expected version {version} instead ({why})."
+    )
 
 
 class _Shared:
@@ -49,17 +55,17 @@ class _Shared:
     check failed, keeps it and is the tensor as it is from then on. Until then
     it is that tensor too: an unpack returns it, exactly, without waiting.
 
-    It stands for the tensor at its version when saved (``saved``, weakly): while the tensor lives, a
-    change in place since makes backward raise PyTorch's in-place error, as without hooks, whether or
-    not the check has come back. Changed and then freed after the check came back, the change cannot
-    be seen (its version counter went with it): backward gets the forward's values.
+    It stands for the tensor at its version when saved (``saved``, weakly, and its version counter,
+    ``counter``, which outlives it): a change in place since makes backward raise PyTorch's in-place
+    error, as without hooks, whether or not the check has come back, and whether or not the tensor
+    was freed since (a change through a view of it, or before it was freed).
 
     It is made on the stream the forward runs on (``stream``; None off CUDA), which the work that
     fills it runs on too, and which a read on another stream waits for (see streams.py).
     """
 
-    __slots__ = ("pending", "restored", "nbytes", "depth", "whole", "saved", "saved_version", "stream",
-                 "__weakref__")
+    __slots__ = ("pending", "restored", "nbytes", "depth", "whole", "saved", "counter", "saved_version",
+                 "stream", "__weakref__")
     kind: ClassVar[str]  # what save_compact counts it as (a key of stats._KINDS)
     op_name: str | None = None  # the op that remakes it (Remade), for the report
     missed_as: ClassVar[str] = "not_activation"  # why a tensor whose check failed is counted as kept
@@ -70,13 +76,12 @@ class _Shared:
         self.pending = 0  # nodes that saved this and have not unpacked it yet
         self.restored: Tensor | None = None
         self.whole: _Dense | None = None  # the tensor itself, while the check runs or after it failed
-        self.saved, self.saved_version = weakref.ref(t), t._version
+        self.saved, self.counter, self.saved_version = weakref.ref(t), _C.version_counter(t), t._version
         self.stream = STREAMS.of(t)
 
     def unchanged(self) -> bool:
-        """Whether the tensor this stands for is gone, or at the version it was saved at."""
-        t = self.saved()
-        return t is None or t._version == self.saved_version
+        """Whether the tensor this stands for (alive or freed since) is at the version it was saved at."""
+        return self.counter.version == self.saved_version
 
     def hold(self, t: Tensor) -> None:
         """Stand for `t` as `t` itself until resolved()."""
@@ -122,9 +127,9 @@ class _Shared:
         if self.whole is not None:
             t = self.whole.restore()
         else:
-            t = self.saved()
-            if t is not None:
-                _check_version(t, self.saved_version, "relu_ext.save_compact rebuilds it for backward")
+            if not self.unchanged():
+                _changed(self.saved(), self.counter.version, self.saved_version,
+                         "relu_ext.save_compact rebuilds it for backward")
             if self.stream is not None:  # (else nothing to order: see streams.py)
                 STREAMS.after(self.stream, self._reads())
             t = self.rebuild()
@@ -515,7 +520,7 @@ class TwoValued(_Shared):
 
     Made when the tensor is saved, so the tensor is freed as soon as nothing else holds it (the
     step's peak falls too); where something does, the bitmap adds 1/32 of its bytes (float32)
-    (changed in place since: see _Shared.saw)."""
+    (changed in place since: see _Shared.unchanged)."""
 
     __slots__ = ("mask", "value", "size", "stride")
     kind = "two_valued"

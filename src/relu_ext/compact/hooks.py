@@ -49,7 +49,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     integer tensor only the graph holds (max-pool indices) in the narrowest type that holds it
     (*narrowed*, at the exit), and one of +0 and one other value that no node made (dropout's noise,
     a bool tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives PyTorch's
-    in-place error while it lives; changed and freed, backward gets the forward's values, never new data.
+    in-place error, whether it lives or was freed since: never new data, nor old data silently.
 
     ``with`` gives the context, which counts what its hooks did (over all its blocks; each distinct
     tensor once): ``replayed``, ``replay_misses`` (recipes that failed their check; then compacted
