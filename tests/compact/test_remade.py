@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import relu_ext
-from conftest import adversarial, assert_bitwise_equal
+from conftest import adversarial, assert_bitwise_equal, assert_same_step, train_step
 from relu_ext.compact import forms, graph, recipes
 
 pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
@@ -694,16 +694,6 @@ def _decoder(name: str) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.T
 MODELS = {"t5_relu": _t5, "llama": _llama, "opt": _decoder("opt"), "gpt2": _decoder("gpt2"), "bert": _decoder("bert")}
 
 
-def _model_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ctx: Any) -> tuple:
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(1)  # (the same dropout noise in every run)
-    with ctx:
-        loss = model(**inputs).loss
-    loss.backward()
-    return (loss.detach(), *(p.grad for p in model.parameters() if p.grad is not None))
-
-
 @pytest.mark.quick(cover=())  # a real model takes seconds: the quick tier runs one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", MODELS)
@@ -719,13 +709,13 @@ def test_transformers_train_bit_for_bit_with_remade_ops(name, dtype):
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == torch.bfloat16 else contextlib.nullcontext
     relu_ext.uninstall()
     with amp():
-        want = _model_step(model, inputs, contextlib.nullcontext())
+        want = train_step(model, inputs, contextlib.nullcontext())
     sc = relu_ext.save_compact()
     with relu_ext.install(), amp():
-        got = _model_step(model, inputs, sc)
+        got = train_step(model, inputs, sc)
     assert sc.remade > 0, sc.report()
     # (The embeddings' output is remade through the embedding: OPT's and BERT's sum of embeddings, an
     # add that no other op of theirs is remade as, and Llama's embedding output itself.)
     if name in ("opt", "bert", "llama"):
         assert sc.remade_by_op.get("embedding" if name == "llama" else "add") == 1, sc.report()
-    _assert_same(got, want)
+    assert_same_step(got, want)
