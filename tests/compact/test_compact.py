@@ -830,6 +830,65 @@ def test_dropout_noise_kept_as_a_bitmap(dtype):
     assert sc.bytes_saved_for_backward - sc.bytes_held >= noise - bitmaps, sc.report()
 
 
+# Dropout after a ReLU: on the CPU its noise times the ReLU's output (MulBackward0), through
+# torch.native_dropout (CUDA's dropout) its own node.
+_DROPOUTS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "F.dropout": lambda y, p: F.dropout(y, p, training=True),
+    "native_dropout": lambda y, p: torch.native_dropout(y, p, True)[0],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("relu", ["nn.ReLU", "relu_ext"])
+@pytest.mark.parametrize("dropout", _DROPOUTS)
+def test_dropout_after_a_relu_is_compacted(dropout, relu, dtype):
+    """Dropout's output after a ReLU is mostly zeros too: compacted with its own bitmap where nothing
+    remakes it (relu_ext's ReLU keeps a mask, not its output; native_dropout's node is no op of the
+    table), restored bit for bit on adversarial data (NaN payloads, ±0.0, ±inf, denormals). With too few
+    zeros (a ReLU of positive numbers, a dropout of 1 %) kept as it is, counted as such."""
+    drop, act = _DROPOUTS[dropout], RELUS[relu]
+    # (PyTorch's ReLU keeps its output, compacted, and F.dropout's product of it and the noise is remade.)
+    ours, remade = relu == "relu_ext", relu == "nn.ReLU" and dropout == "F.dropout"
+    torch.manual_seed(3)
+    sc = relu_ext.save_compact()
+    saved, restored = _saved_and_restored(lambda t: drop(act(t), 0.3), adversarial(100_003, dtype, seed=5), sc)
+    assert_bitwise_equal(restored, saved, "restored dropout output")
+    assert (sc.compacted, sc.remade) == (2 - ours - remade, remade), sc.report()
+    few = relu_ext.save_compact()
+    positive = torch.rand(100_003, dtype=dtype) + 1
+    saved, restored = _saved_and_restored(lambda t: drop(act(t), 0.01), positive, few)
+    assert_bitwise_equal(restored, saved, "dropout output kept as it is")
+    assert (few.compacted, few.remade, few.kept_by_reason.get("too_few_zeros", 0)) == (0, remade, 2 - ours - remade), \
+        few.report()
+
+
+class _DropoutMLP(torch.nn.Module):
+    """Linear -> ReLU -> Dropout -> Linear, twice (torchvision's VGG classifier, a transformer's
+    feed-forward block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(*(m for _ in range(2) for m in (
+            torch.nn.Linear(64, 256), torch.nn.ReLU(inplace=True), torch.nn.Dropout(0.5), torch.nn.Linear(256, 64))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dropout_after_a_relu_trains_bit_for_bit(dtype):
+    """A training step of an MLP with dropout after each ReLU, under install() + save_compact(): the loss
+    and every gradient PyTorch's, each dropout output (kept by the next Linear) compacted."""
+    model = _DropoutMLP().to(dtype)
+    x = torch.randn(128, 64, dtype=dtype)
+    want = train_step(model, x, contextlib.nullcontext())
+    sc = relu_ext.save_compact()
+    with relu_ext.install():
+        got = train_step(model, x, sc)
+    assert_same_step(got, want)
+    assert sc.compacted == 2, sc.report()
+
+
 def test_two_valued_tensor_changed_in_place():
     """Changed in place after it was saved: backward raises PyTorch's error, as without hooks, whether
     the tensor lives (its holder changed it) or is gone since; never the changed values."""

@@ -113,6 +113,18 @@ def _mostly_zeros(fn: Any) -> bool:
     return bool(act.zeros(_activation_args(fn, act, ours)))
 
 
+# Nodes whose output is zero wherever one of its inputs is: a product, such as dropout's (its noise times
+# its input on the CPU; torch.native_dropout's, which CUDA's dropout runs).
+PRODUCTS = frozenset({"MulBackward0", "NativeDropoutBackward0"})
+
+
+def _zeros_by_a_factor(fn: Any) -> bool:
+    """Whether `fn` is a product's node (PRODUCTS) one of whose inputs is an output of an activation that
+    is mostly zeros (_mostly_zeros): dropout after a ReLU, whose output is mostly zeros too.
+    Checked on torch 2.11 and 2.15.0."""
+    return fn.name() in PRODUCTS and any(node is not None and _mostly_zeros(node) for node, _ in fn.next_functions)
+
+
 def _activation_of(fn: Any) -> tuple[str, list[float]] | None:
     """The op and Scalar arguments of the activation whose node is `fn`, as the
     replay takes them, or None (another node, or PyTorch's ThresholdBackward0,

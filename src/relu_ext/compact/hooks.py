@@ -16,7 +16,8 @@ from .. import _C
 from .bits import _is_dense
 from .deferred import Deferred
 from .forms import Compacted, Narrowed, _Dense, _Shared, _ViewOf
-from .graph import _BN_NODES, _KEPT, _REMAKE, COMPACTS, _after_batchnorm, _mostly_zeros, _node_name, _note_kept
+from .graph import (_BN_NODES, _KEPT, _REMAKE, COMPACTS, _after_batchnorm, _mostly_zeros, _node_name, _note_kept,
+                    _zeros_by_a_factor)
 from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Recent, Row, _plain_dense
 from .stats import _Stats
 
@@ -41,7 +42,7 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     output (CPU or CUDA): a reference to the BatchNorm's input, which its node keeps anyway, and a
     few numbers per channel, verified bit for bit when saved and rebuilt in backward; else
     *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with ``min_val=0``, Threshold with
-    ``value=0``, Hardsigmoid): nonzero values plus a bitmap. A concatenation that begins with the
+    ``value=0``, Hardsigmoid, and a dropout of such an output): nonzero values plus a bitmap. A concatenation that begins with the
     previous one kept (DenseNet's) is kept as its pieces plus what it adds (*concatenated*, with
     recompute), a max-pool output as the pool's input at its indices (*pooled*, with recompute), a
     ``mul``, ``div``, LayerNorm, GELU or SiLU output as that op and the inputs its node keeps (*remade*, with
@@ -322,7 +323,7 @@ class _Packer:
         """`t` saved as it is (`rows`: some row takes its node), counted unless `counted` already."""
         why = _why_kept(t, self.recompute) if rows else "not_activation"
         if not counted:
-            self._count_kept(t, why or ("too_few_zeros" if _mostly_zeros(fn) else "not_replayed"))
+            self._count_kept(t, why or ("too_few_zeros" if _mostly_zeros(fn) or _zeros_by_a_factor(fn) else "not_replayed"))
         dense = _Dense(t)
         if self.recompute and fn is not None and why in (None, "not_activation"):
             _note_kept(t, dense)
@@ -586,12 +587,13 @@ class _Check:
 def _why_kept(t: Tensor, recompute: bool) -> str | None:
     """Why `t` is saved as it is (a key of ``stats._REASONS``), or None when it is a plain
     dense floating-point output of ReLU or the family worth keeping smaller: mostly
-    zeros (compaction), or, with `recompute`, after a BatchNorm (a recipe): the rows of
-    those forms apply to no other (recipes._zeros_mostly, recipes._after_a_batchnorm).
+    zeros (compaction; or a product with such an output: dropout after a ReLU), or, with
+    `recompute`, after a BatchNorm (a recipe): the rows of those forms apply to no other
+    (recipes._zeros_mostly, recipes._zeros_of_a_factor, recipes._after_a_batchnorm).
     The pack hook asks it of a tensor kept as it is, for the reason it counts, and of a
     view's base (_pack_view): cheapest checks first."""
     fn = t.grad_fn
-    if fn is None or not (_mostly_zeros(fn) or (recompute and _after_batchnorm(fn))):
+    if fn is None or not (_mostly_zeros(fn) or _zeros_by_a_factor(fn) or (recompute and _after_batchnorm(fn))):
         return "not_activation"
     if (
         type(t) is not torch.Tensor

@@ -25,7 +25,8 @@ from .forms import (EPS_BY_WEIGHT, LAYER_NORM_EPS, Chain, Compacted, Concatenate
 from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
                     _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs,
                     _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _node_key,
-                    _note_eps, _noted_eps, _raw_saved, _relu_ext_mask, _remake_of, _Saved)
+                    _note_eps, _noted_eps, _raw_saved, _relu_ext_mask, _remake_of, _Saved, _zeros_by_a_factor,
+                    PRODUCTS)
 
 _ops = torch.ops.relu_ext
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
@@ -526,6 +527,13 @@ def _zeros_mostly(t: Tensor, recompute: bool) -> bool:
     return _mostly_zeros(t.grad_fn) and _worth_keeping_smaller(t)
 
 
+def _zeros_of_a_factor(t: Tensor, recompute: bool) -> bool:
+    """applies() of a compaction of a product with an activation output that is mostly zeros (dropout
+    after a ReLU, which nothing remade: its noise times the ReLU's output, which no node keeps), worth
+    keeping smaller."""
+    return _zeros_by_a_factor(t.grad_fn) and _worth_keeping_smaller(t)
+
+
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -550,6 +558,7 @@ FORMS = (
     Row(RemadeNorm, frozenset({_LAYER_NORM}), _a_recipe_output, _layer_norm),
     Row(Replayed, ACTIVATION_NODES, _after_a_batchnorm, _replayed),
     Row(Compacted, ACTIVATION_NODES, _zeros_mostly, _compacted),
+    Row(Compacted, PRODUCTS, _zeros_of_a_factor, _compacted),
     Row(TwoValued, frozenset({None}), _two_valued_candidate, _two_valued),
 )
 
