@@ -788,7 +788,7 @@ def test_a_cast_of_a_layer_norm_output_is_remade_in_steps(events, eps, back):
 
     def loss_of(ctx) -> torch.Tensor:
         with ctx, torch.autocast("cpu", torch.bfloat16):
-            return lin(norm(x)).float().nan_to_num().sum()
+            return lin(norm(x)).nan_to_num().float().sum()
 
     want = torch.autograd.grad(loss_of(contextlib.nullcontext()), params)
     sc = relu_ext.save_compact()

@@ -209,7 +209,7 @@ def test_a_gelu_or_silu_output_is_remade_bit_for_bit(act, dtype):
     x = adversarial(8 * 64 * 512, dtype).view(8, 64, 512).requires_grad_()
 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return lin(ACTS[act](x)).float().nan_to_num().sum()
+        return lin(ACTS[act](x)).nan_to_num().float().sum()
 
     want = _grads(f, [x, lin.weight])
     sc = relu_ext.save_compact()
@@ -245,6 +245,33 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch
     return weight * h.to(weight.dtype)
 
 
+@pytest.mark.parametrize("wide", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=str)
+def test_a_widening_cast_is_remade_from_a_copy_in_its_input_type(narrow, wide):
+    """A cast to a wider type whose input no node keeps (HF's RMSNorm in a bfloat16 model: the residual
+    stream cast to float32, kept by its pow) is remade from a copy in the input's type, which the form
+    holds: half the bytes (a quarter to float64); gradients PyTorch's on adversarial data (±0, ±inf,
+    denormals, every finite bit pattern). With NaNs too: a cast to bfloat16 makes every NaN one quiet
+    NaN, so the check misses and the cast is kept as it is (float16's keeps a NaN's payload in its vector
+    loop, not in its scalar one: remade or kept, the gradients are PyTorch's)."""
+    x = adversarial(65536, narrow, seed=7)
+    for nans in (False, True):
+        leaf = (x if nans else torch.where(x.isnan(), torch.zeros_like(x), x)).requires_grad_()
+
+        def f(*_: torch.Tensor) -> torch.Tensor:
+            return leaf.flip(0).to(wide).pow(2).sum()  # (a flip keeps nothing: no chain reaches the cast)
+
+        want = _grads(f, [leaf])
+        sc = relu_ext.save_compact()
+        got = _grads(f, [leaf], sc)
+        _assert_same(got, want)
+        held = sc.bytes_saved_for_backward - x.numel() * wide.itemsize  # (the cast's bytes aside)
+        if not nans:
+            assert sc.remade_by_op == {"_to_copy": 1} and sc.bytes_held == held + x.nbytes, sc.report()
+        elif narrow == torch.bfloat16:
+            assert sc.remade == 0 and "_to_copy 0 (0 B, 1 missed)" in sc.report(), sc.report()
+
+
 @pytest.mark.quick(cover=())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_chain_is_remade_from_the_form_before_it(dtype):
@@ -259,7 +286,7 @@ def test_a_chain_is_remade_from_the_form_before_it(dtype):
     x = adversarial(4 * 32 * 256, dtype).view(4, 32, 256).requires_grad_()
 
     def f(x: torch.Tensor, weight: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return lin(_rms_norm(x, weight)).float().nan_to_num().sum()
+        return lin(_rms_norm(x, weight)).nan_to_num().float().sum()
 
     want = _grads(f, [x, weight, lin.weight])
     made: list[forms.Remade] = []
@@ -301,7 +328,7 @@ def test_a_layer_norm_output_is_remade_bit_for_bit(dtype, eps, affine):
     params = [x, lin.weight, *norm.parameters()]
 
     def f(*_: torch.Tensor) -> torch.Tensor:
-        return lin(norm(x)).float().nan_to_num().sum()
+        return lin(norm(x)).nan_to_num().float().sum()
 
     want = _grads(f, params)
     sc = relu_ext.save_compact()
@@ -328,7 +355,7 @@ def test_a_cast_of_a_layer_norm_output_is_remade_through_the_layer_norm(eps, vie
     def f(*_: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", torch.bfloat16):
             h = norm(x)
-            return lin(h.view(-1, 256) if viewed else h).float().nan_to_num().sum()
+            return lin(h.view(-1, 256) if viewed else h).nan_to_num().float().sum()
 
     want = _grads(f, params)
     sc = relu_ext.save_compact()
@@ -357,7 +384,7 @@ def test_casts_of_one_tensor_are_remade_once_as_twins(dtype, norm):
     def f(*_: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype):
             h = _rms_norm(x, weight) if norm == "rms" else layer(x)
-            return (q(h) * k(h) + v(h)).float().nan_to_num().sum()
+            return (q(h) * k(h) + v(h)).nan_to_num().float().sum()
 
     want = _grads(f, params)
     sc = relu_ext.save_compact()

@@ -24,6 +24,9 @@ _BN_NODES = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
 _CAT, _MAX_POOL = "CatBackward0", "MaxPool2DWithIndicesBackward0"
 # LayerNorm's node, whose output is remade by PyTorch's LayerNorm (forms.RemadeNorm).
 _LAYER_NORM = "NativeLayerNormBackward0"
+# A cast's node (``t.to(dtype)``, ``t.float()``): a widening one's output is remade from a copy in its
+# input's dtype where no node keeps that input (recipes._widened).
+_CAST = "ToCopyBackward0"
 
 
 class _Remake(NamedTuple):
@@ -54,7 +57,7 @@ _REMAKE: dict[str, _Remake] = {
                                   ("padding_idx", "scale_grad_by_freq", "sparse")),
     "DivBackward0": _Remake(_aten.div.Tensor, ("self", "other")),
     "AddBackward0": _Remake(_aten.add.Tensor, (None, None), ("alpha",)),
-    "ToCopyBackward0": _Remake(_aten._to_copy.default, (None,), output=("dtype",)),
+    _CAST: _Remake(_aten._to_copy.default, (None,), output=("dtype",)),
     "ViewBackward0": _Remake(_aten.view.default, (None,), output=("size",)),
     "UnsafeViewBackward0": _Remake(_aten._unsafe_view.default, (None,), output=("size",)),
     "AliasBackward0": _Remake(_aten.alias.default, (None,)),
@@ -123,6 +126,14 @@ def _zeros_by_a_factor(fn: Any) -> bool:
     is mostly zeros (_mostly_zeros): dropout after a ReLU, whose output is mostly zeros too.
     Checked on torch 2.11 and 2.15.0."""
     return fn.name() in PRODUCTS and any(node is not None and _mostly_zeros(node) for node, _ in fn.next_functions)
+
+
+def _cast_from(fn: Any) -> torch.dtype | None:
+    """The dtype of the input of cast node `fn` (_CAST), as its input's node records that output
+    (``_input_metadata``); None where no node made the input. Checked on torch 2.11 and 2.15.0."""
+    node, output_nr = fn.next_functions[0]
+    meta = getattr(node, "_input_metadata", None) if node is not None else None
+    return meta[output_nr].dtype if meta is not None and output_nr < len(meta) else None
 
 
 def _activation_of(fn: Any) -> tuple[str, list[float]] | None:

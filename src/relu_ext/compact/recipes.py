@@ -10,6 +10,7 @@ back, the fallback to the next row, the counts. Adding a form is one class (form
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from typing import Any, Callable, NamedTuple, Protocol
@@ -22,8 +23,8 @@ from .bits import _bool_bits, _same_bits_later
 from .deferred import Deferred
 from .forms import (EPS_BY_WEIGHT, LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade,
                     RemadeNorm, Replayed, TwoValued, _Dense, _eps_probes, _gathered, _Shared, run_as_forward)
-from .graph import (_CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
-                    _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cat_dim, _inputs,
+from .graph import (_CAST, _CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
+                    _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cast_from, _cat_dim, _inputs,
                     _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _node_key,
                     _note_eps, _noted_eps, _raw_saved, _relu_ext_mask, _remake_of, _Saved, _zeros_by_a_factor,
                     PRODUCTS)
@@ -244,6 +245,22 @@ def _remade(t: Tensor, packer: Packing) -> Made | None:
     flag = _same_bits_later([(now, t.detach())])
     packer.recent.remember(form, now, None if own else key)
     return Made(form, flag)
+
+
+def _widened(t: Tensor, packer: Packing) -> Made | None:
+    """`t`, a cast to a wider floating-point type whose input no node keeps (HF's RMSNorm in a bfloat16
+    model: the residual stream cast to float32, kept by its ``pow`` and ``mul``), as that cast of a copy
+    in the input's dtype, which the form holds (``own``: half the bytes, from bfloat16 or float16 to
+    float32): exact where the copy cast again gives `t` bit for bit (the check when saved; a NaN's
+    payload may not come back)."""
+    narrow = t.detach().to(_cast_from(t.grad_fn))
+    cast = functools.partial(_REMAKE[_CAST].op, dtype=t.dtype)
+    now = run_as_forward(cast, [narrow])
+    if not _like(now, t) or now.device != t.device:
+        return None
+    form = Remade(t, cast, [narrow], own=(narrow,))
+    packer.recent.remember(form, now, None)
+    return Made(form, _same_bits_later([(now, t.detach())]))
 
 
 # A twin's op: its twin's value as it is (a view of it).
@@ -534,6 +551,15 @@ def _zeros_of_a_factor(t: Tensor, recompute: bool) -> bool:
     return _zeros_by_a_factor(t.grad_fn) and _worth_keeping_smaller(t)
 
 
+def _a_widening(t: Tensor, recompute: bool) -> bool:
+    """applies() of a cast remade from a narrower copy (_widened): with recompute, a cast's output worth
+    keeping smaller whose input has a floating-point type of fewer bytes."""
+    if not (recompute and _worth_keeping_smaller(t)):
+        return False
+    source = _cast_from(t.grad_fn)
+    return source is not None and source.is_floating_point and source.itemsize < t.element_size()
+
+
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -555,6 +581,7 @@ FORMS = (
     Row(Concatenated, frozenset({_CAT}), _a_recipe_output, _chain_start),
     Row(Pooled, frozenset({_MAX_POOL}), _a_recipe_output, _pooled),
     Row(Remade, frozenset(_REMAKE) - REMAKE_VIEWS, _a_recipe_output, _remade),
+    Row(Remade, frozenset({_CAST}), _a_widening, _widened),
     Row(RemadeNorm, frozenset({_LAYER_NORM}), _a_recipe_output, _layer_norm),
     Row(Replayed, ACTIVATION_NODES, _after_a_batchnorm, _replayed),
     Row(Compacted, ACTIVATION_NODES, _zeros_mostly, _compacted),
