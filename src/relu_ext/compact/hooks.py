@@ -42,11 +42,12 @@ class save_compact(torch.autograd.graph.saved_tensors_hooks):
     output (CPU or CUDA): a reference to the BatchNorm's input, which its node keeps anyway, and a
     few numbers per channel, verified bit for bit when saved and rebuilt in backward; else
     *compacted* where mostly zeros (ReLU, ReLU6, Hardtanh with ``min_val=0``, Threshold with
-    ``value=0``, Hardsigmoid, and a dropout of such an output): nonzero values plus a bitmap. A concatenation that begins with the
-    previous one kept (DenseNet's) is kept as its pieces plus what it adds (*concatenated*, with
-    recompute), a max-pool output as the pool's input at its indices (*pooled*, with recompute), a
-    ``mul``, ``div``, LayerNorm, GELU or SiLU output as that op and the inputs its node keeps (*remade*, with
-    recompute; a view of it with all its elements, as a Linear on a 3-D input keeps, as well), an
+    ``value=0``, Hardsigmoid, a dropout of such an output): nonzero values plus a bitmap. A
+    concatenation that begins with the previous one kept (DenseNet's) is kept as its pieces plus
+    what it adds (*concatenated*, with recompute), a max-pool output as the pool's input at its
+    indices (*pooled*, with recompute), a ``mul``, ``div``, LayerNorm, GELU or SiLU output as that op
+    and the inputs its node keeps, a widening cast as the cast of a copy in its input's dtype
+    (*remade*, with recompute; a view of it with all its elements, as a Linear keeps, too), an
     integer tensor only the graph holds (max-pool indices) in the narrowest type that holds it
     (*narrowed*, at the exit), and one of +0 and one other value that no node made (dropout's noise,
     a bool tensor) as a bitmap (*two_valued*). Data changed in place after the forward gives PyTorch's
@@ -323,7 +324,8 @@ class _Packer:
         """`t` saved as it is (`rows`: some row takes its node), counted unless `counted` already."""
         why = _why_kept(t, self.recompute) if rows else "not_activation"
         if not counted:
-            self._count_kept(t, why or ("too_few_zeros" if _mostly_zeros(fn) or _zeros_by_a_factor(fn) else "not_replayed"))
+            zeros = why is None and (_mostly_zeros(fn) or _zeros_by_a_factor(fn))  # (why None: `fn` is a node)
+            self._count_kept(t, why or ("too_few_zeros" if zeros else "not_replayed"))
         dense = _Dense(t)
         if self.recompute and fn is not None and why in (None, "not_activation"):
             _note_kept(t, dense)
