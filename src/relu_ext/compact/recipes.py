@@ -256,7 +256,7 @@ def _widened(t: Tensor, packer: Packing) -> Made | None:
     narrow = t.detach().to(_cast_from(t.grad_fn))
     cast = functools.partial(_REMAKE[_CAST].op, dtype=t.dtype)
     now = run_as_forward(cast, [narrow])
-    if not _like(now, t) or now.device != t.device:
+    if not _like(now, t):  # (on t's device: the copy is t's)
         return None
     form = Remade(t, cast, [narrow], own=(narrow,))
     packer.recent.remember(form, now, None)
