@@ -875,12 +875,14 @@ class _DropoutMLP(torch.nn.Module):
         return self.body(x)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_dropout_after_a_relu_trains_bit_for_bit(dtype):
+def test_dropout_after_a_relu_trains_bit_for_bit(dtype, device):
     """A training step of an MLP with dropout after each ReLU, under install() + save_compact(): the loss
-    and every gradient PyTorch's, each dropout output (kept by the next Linear) compacted."""
-    model = _DropoutMLP().to(dtype)
-    x = torch.randn(128, 64, dtype=dtype)
+    and every gradient PyTorch's, each dropout output (kept by the next Linear) compacted (on CUDA
+    native_dropout's output, compacted in steps)."""
+    model = _DropoutMLP().to(device, dtype)
+    x = torch.randn(128, 64, dtype=dtype).to(device)
     want = train_step(model, x, contextlib.nullcontext())
     sc = relu_ext.save_compact()
     with relu_ext.install():

@@ -81,7 +81,8 @@ def test_deferred_copies_and_records_on_the_values_own_device_and_stream(monkeyp
 class _Net(nn.Module):
     """Every form save_compact() keeps: BatchNorm recipes (ReLU and ReLU6, a residual add), a max-pool
     recipe and its narrowed indices, a concatenation in pieces, compaction with the ReLU's own mask,
-    and CPU dropout's noise as a bitmap."""
+    CPU dropout's noise as a bitmap (CUDA's bool mask too), and a dropout of a ReLU output compacted
+    (on the CPU a product with the noise, on CUDA native_dropout's output)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,7 +91,7 @@ class _Net(nn.Module):
         self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
         self.conv3, self.bn3 = nn.Conv2d(16, 8, 1), nn.BatchNorm2d(8)
         self.conv4 = nn.Conv2d(24, 8, 1)
-        self.fc1, self.fc2 = nn.Linear(8 * 16 * 16, 512), nn.Linear(512, 10)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8 * 16 * 16, 512), nn.Linear(512, 10), nn.Linear(512, 10)
         self.drop = nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +99,8 @@ class _Net(nn.Module):
         r = torch.relu(self.bn2(self.conv2(p)) + p)
         c = nn.functional.relu6(self.bn3(self.conv3(torch.cat([p, r], 1))))
         d = self.conv4(torch.cat([p, r, c], 1))  # (DenseNet's: each concatenation extends the one before)
-        h = torch.relu(self.fc1(self.drop(d.flatten(1))))
-        return self.fc2(h)
+        a = self.fc1(self.drop(d.flatten(1)))
+        return self.fc2(torch.relu(a)) + self.fc3(self.drop(torch.relu(-a)))  # (the second: kept by no node)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
@@ -146,3 +147,5 @@ def test_no_host_read_outside_the_deferred_result(monkeypatch, recompute):
     if recompute:
         forms.update(replayed=sc.replayed, pooled=sc.pooled, concatenated=sc.concatenated)
     assert all(forms.values()), (forms, sc.report())
+    # (With recompute: a ReLU output, with its mask, and a dropout of one, with its bitmap; the rest rebuilt.)
+    assert sc.compacted == 2 or not recompute, sc.report()
