@@ -801,3 +801,36 @@ def test_a_cast_of_a_layer_norm_output_is_remade_in_steps(events, eps, back):
         assert_bitwise_equal(a, b, f"gradient {i}")
     # (The Linear's weight cast is remade from the parameter; the LayerNorm output's, where eps is tried.)
     assert sc.remade_by_op == {"_to_copy": 1 if eps == 1e-3 else 2}, sc.report()
+
+
+@pytest.mark.parametrize("back", [False, True], ids=["backward-first", "back-first"])
+def test_a_widening_casts_copy_gives_way_once_its_comparison_is_back(events, back):
+    """Where values come back later (as on CUDA): at the exit the widened cast's copy (forms.Widened) is
+    compared with its input, which a later node keeps. Until that comparison and the cast's own check
+    are back, the form holds its copy, and a backward reads that; once they are (the next poll, without
+    waiting), it reads the input and holds nothing. PyTorch's gradients, bit for bit, either way."""
+    leaf = adversarial(65536, torch.bfloat16, seed=10).nan_to_num().requires_grad_()
+    w = torch.randn(65536, dtype=torch.bfloat16, requires_grad=True)
+
+    def loss_of(ctx) -> torch.Tensor:
+        with ctx:
+            h = leaf.flip(0)
+            return h.to(torch.float32).pow(2).sum() + (h * w).float().sum()
+
+    want = torch.autograd.grad(loss_of(contextlib.nullcontext()), [leaf, w])
+    sc = relu_ext.save_compact()
+    loss = loss_of(sc)
+    packer = sc._packer
+    (form,) = [f for f in packer.after_exit if isinstance(f, forms.Widened)]
+    assert form.own and form.same is not None  # (the copy, while the comparison is out)
+    if back:
+        for e in events:
+            e.complete = True
+        packer.poll()
+        assert not form.own and not packer.after_exit
+    got = torch.autograd.grad(loss, [leaf, w])
+    assert not any(e.waited for e in events)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_bitwise_equal(a, b, f"gradient {i}")
+    assert bool(form.own) is not back
+    assert "held in 0 B" in next(line for line in sc.report().splitlines() if "remade:" in line)  # (waits)

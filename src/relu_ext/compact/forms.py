@@ -19,7 +19,7 @@ from torch import Tensor
 from .. import _C
 from .bits import _INTS, _bools_of, _same_bits_later
 from .deferred import Deferred
-from .graph import _inputs
+from .graph import _inputs, _kept
 from .streams import STREAMS
 
 _ops = torch.ops.relu_ext
@@ -665,6 +665,52 @@ class Remade(_Shared):
     def _reads(self) -> tuple[Tensor, ...]:
         """The tensors rebuild() reads itself: its sources that are tensors."""
         return tuple(s for s in self.sources if isinstance(s, Tensor))
+
+
+class Widened(Remade):
+    """A cast to a wider floating-point type whose input no node kept when the cast's output was saved
+    (HF's RMSNorm in a bfloat16 model: the residual stream cast to float32, kept by its ``pow``), as
+    that cast of a copy in the input's dtype, which it holds (``own``: half the bytes, from bfloat16
+    to float32). A node saved later may keep the input itself as it is (T5's RMSNorm: its ``mul``
+    keeps the residual stream it cast): then the copy holds the same bytes twice. So, as Narrowed,
+    it is decided again when the context exits: ``measure()`` compares the copy with what the cast's
+    input node keeps (``edge``; graph._kept), and ``settle()``, once that comparison is back, reads
+    that tensor instead of the copy where the two hold the same bits, and holds nothing."""
+
+    __slots__ = ("edge", "same", "kept")
+
+    def __init__(self, t: Tensor, op: Any, copy: Tensor, edge: tuple[Any, int]) -> None:
+        super().__init__(t, op, [copy], own=(copy,))
+        self.edge = edge  # (the node that made the cast's input, its output_nr)
+        self.same: Deferred | None = None  # (the comparison, from measure() to settle())
+        self.kept: _Dense | None = None
+
+    def measure(self) -> None:
+        """Start comparing the copy with the cast's input, where a node of this context keeps that as it
+        is, unchanged, in the copy's layout."""
+        node, output_nr = self.edge
+        kept = None if node is None or not self.own else _kept(node, output_nr)
+        if not isinstance(kept, _Dense) or not kept.unchanged():
+            return
+        x, copy = kept.tensor, self.own[0]
+        if x.dtype == copy.dtype and x.shape == copy.shape and x.stride() == copy.stride() and x.device == copy.device:
+            with STREAMS.on(self.stream):
+                self.same, self.kept = Deferred(_same_bits_later([(copy, x)])), kept
+
+    def measured(self) -> bool:
+        """Whether settle() would not wait: the comparison is back, or none was started."""
+        return self.same is None or self.same.done()
+
+    def settle(self) -> bool:
+        """Read the cast's input instead of the copy where the two hold the same bits, this form is exact
+        (its own check back: no tensor held) and the input unchanged; whether it does now."""
+        same, kept = self.same, self.kept
+        self.same = self.kept = None
+        if same is None or kept is None or not same.flag() or self.whole is not None or not kept.unchanged():
+            return False
+        # (At the version its node saved it at: changed in place later, the rebuild raises PyTorch's error.)
+        self.sources, self.versions, self.own, self.nbytes = (kept.tensor,), (kept.version,), (), 0
+        return True
 
 
 # The eps values LayerNorms use (PyTorch's default and GPT-2's, ViT's, BERT's, others), which a

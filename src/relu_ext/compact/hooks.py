@@ -15,7 +15,7 @@ from torch import Tensor
 from .. import _C
 from .bits import _is_dense
 from .deferred import Deferred
-from .forms import Compacted, Narrowed, _Dense, _Shared, _ViewOf
+from .forms import Compacted, Narrowed, Widened, _Dense, _Shared, _ViewOf
 from .graph import (_BN_NODES, _KEPT, _REMAKE, COMPACTS, _after_batchnorm, _mostly_zeros, _node_name, _note_kept,
                     _zeros_by_a_factor)
 from .recipes import _MIN_NUMEL, FORMS_BY_NODE, Made, Recent, Row, _plain_dense
@@ -242,8 +242,11 @@ class _Packer:
         self.waiting: deque[_Check] = deque()
         self.waiting_bytes = 0
         self.budget = budget  # (None: by device, _pending_bytes)
-        # Narrowed tensors whose range is on its way (after the exit), oldest first.
-        self.narrowing: deque[Narrowed] = deque()
+        # The Widened forms made (weakly): decided again when the context exits.
+        self.widened: list[weakref.ref] = []
+        # Forms decided after the exit, whose value is on its way, oldest first: Narrowed tensors (their
+        # range), Widened forms (their copy compared with the cast's input, where a node keeps that).
+        self.after_exit: deque[Narrowed | Widened] = deque()
         # Tensors saved as they are that no node made and nothing marks as held elsewhere (buffers,
         # inputs), weakly, with their bytes: held outside the graph if alive when the block exits.
         self.unmade: list[tuple[weakref.ref, int]] = []
@@ -430,11 +433,11 @@ class _Packer:
     def poll(self) -> None:
         """Resolve the checks that have come back, oldest first, without waiting: the first one that
         has not stops the rest (a device's queue runs in order). Not under CUDA-graph capture."""
-        if not (self.waiting or self.narrowing) or _capturing():  # (the first: every pack and unpack asks)
+        if not (self.waiting or self.after_exit) or _capturing():  # (the first: every pack and unpack asks)
             return
         while self.waiting and self.waiting[0].check.done():
             self.resolve()
-        self._narrow(wait=False)
+        self._settle(wait=False)
 
     def resolve(self) -> None:
         """Resolve the oldest check held, waiting for it: drop the tensor its form held where the form is
@@ -453,17 +456,18 @@ class _Packer:
             self.stats.keep(outcome, held.nbytes)
 
     def settle(self) -> None:
-        """Wait for every check held, and for the narrowed tensors' ranges (before counts are read)."""
+        """Wait for every check held, and for the values of the forms decided after the exit (before counts
+        are read)."""
         with self.lock:
             while self.waiting:
                 self.resolve()
-            self._narrow(wait=True)
+            self._settle(wait=True)
             self.stats.keep_many("not_activation", *self.native.take())
 
     def exit(self) -> None:
         """When the context exits: resolve what has come back; count what is held outside the graph; start
-        narrowing the integer tensors only the graph holds now (their ranges read later, see _narrow);
-        forget the chains."""
+        narrowing the integer tensors only the graph holds now, and comparing the widened casts' copies with
+        their input (their values read later, see _settle); forget the chains."""
         with self.lock:
             self._exit()
 
@@ -476,28 +480,36 @@ class _Packer:
         self.unmade.clear()
         self.stats.keep_many("not_activation", *self.native.take())
         self.stats.held_outside(*self.native.outside())
-        # Under CUDA-graph capture the integer tensors stay as they are: their range would come back at
-        # the graph's replay.
+        # Under CUDA-graph capture the integer tensors and the widened copies stay as they are: their
+        # values would come back at the graph's replay.
         if not _capturing():
+            forms = [*self.ints.values(), *filter(None, (ref() for ref in self.widened))]
             with torch.no_grad():
-                for packed in self.ints.values():
-                    packed.measure()
-            self.narrowing.extend(self.ints.values())
-            self._narrow(wait=False)
+                for form in forms:
+                    form.measure()
+            self.after_exit.extend(forms)
+            self._settle(wait=False)
         self.ints.clear()
+        self.widened.clear()
         self.chains.clear()
         self.recent.forget()
 
-    def _narrow(self, wait: bool) -> None:
-        """Narrow the integer tensors whose range has come back (with `wait`, all of them)."""
-        if not self.narrowing:
+    def _settle(self, wait: bool) -> None:
+        """Settle the forms decided after the exit whose value has come back (with `wait`, all of them):
+        narrow the integer tensors (counted as kept until then), let the widened casts read their input."""
+        if not self.after_exit:
             return
         with torch.no_grad():
-            while self.narrowing and (wait or self.narrowing[0].measured()):
-                packed = self.narrowing.popleft()
-                if packed.settle():
-                    full = packed.narrow.numel() * packed.dtype.itemsize
-                    self.stats.moved("not_activation", packed.kind, full, packed.nbytes)
+            while self.after_exit and (wait or self.after_exit[0].measured()):
+                form = self.after_exit.popleft()
+                held = form.nbytes
+                if not form.settle():
+                    continue
+                if isinstance(form, Narrowed):
+                    full = form.narrow.numel() * form.dtype.itemsize
+                    self.stats.moved("not_activation", form.kind, full, form.nbytes)
+                else:
+                    self.stats.freed(form.kind, held)
 
 
 @functools.lru_cache(maxsize=None)

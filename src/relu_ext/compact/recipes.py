@@ -22,7 +22,7 @@ from .. import _C
 from .bits import _bool_bits, _same_bits_later
 from .deferred import Deferred
 from .forms import (EPS_BY_WEIGHT, LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade,
-                    RemadeNorm, Replayed, TwoValued, _Dense, _eps_probes, _gathered, _Shared, run_as_forward)
+                    RemadeNorm, Replayed, TwoValued, Widened, _Dense, _eps_probes, _gathered, _Shared, run_as_forward)
 from .graph import (_CAST, _CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
                     _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cast_from, _cat_dim, _inputs,
                     _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _node_key,
@@ -39,6 +39,7 @@ class Packing(Protocol):
     unpack: Callable[[Any], Tensor]  # its unpack hook: what tells this context's saved forms apart
     chains: dict[tuple[Any, ...], weakref.ref]  # the last concatenation kept, by _chain_key
     recent: Recent  # the last remade forms holding their value as verified
+    widened: list[weakref.ref]  # the Widened forms made, decided again when the context exits
     min_saving: float
 
 
@@ -258,8 +259,9 @@ def _widened(t: Tensor, packer: Packing) -> Made | None:
     now = run_as_forward(cast, [narrow])
     if not _like(now, t):  # (on t's device: the copy is t's)
         return None
-    form = Remade(t, cast, [narrow], own=(narrow,))
+    form = Widened(t, cast, narrow, _node_inputs(t.grad_fn, 1)[0])
     packer.recent.remember(form, now, None)
+    packer.widened.append(weakref.ref(form))  # (decided again when the context exits: Widened)
     return Made(form, _same_bits_later([(now, t.detach())]))
 
 
@@ -581,7 +583,7 @@ FORMS = (
     Row(Concatenated, frozenset({_CAT}), _a_recipe_output, _chain_start),
     Row(Pooled, frozenset({_MAX_POOL}), _a_recipe_output, _pooled),
     Row(Remade, frozenset(_REMAKE) - REMAKE_VIEWS, _a_recipe_output, _remade),
-    Row(Remade, frozenset({_CAST}), _a_widening, _widened),
+    Row(Widened, frozenset({_CAST}), _a_widening, _widened),
     Row(RemadeNorm, frozenset({_LAYER_NORM}), _a_recipe_output, _layer_norm),
     Row(Replayed, ACTIVATION_NODES, _after_a_batchnorm, _replayed),
     Row(Compacted, ACTIVATION_NODES, _zeros_mostly, _compacted),

@@ -89,6 +89,11 @@ class _Stats:
         self.held[_AS_IT_IS] -= nbytes
         self.add(kind, nbytes, held)
 
+    def freed(self, kind: str, nbytes: int) -> None:
+        """Let the forms of `kind` hold `nbytes` bytes fewer (a Widened form that reads its cast's input
+        instead of its copy)."""
+        self.held[kind] -= nbytes
+
     @property
     def kept(self) -> int:
         """Distinct tensors saved as they are."""
