@@ -16,7 +16,7 @@ import torch
 
 import relu_ext
 from conftest import DEVICES, adversarial, assert_bitwise_equal, assert_same_step, train_step
-from relu_ext.compact import forms, graph, recipes
+from relu_ext.compact import forms, graph, recipes, stats
 
 pytestmark = [pytest.mark.native, pytest.mark.torch_version]  # the risk it checks: see tests/tiers.py
 
@@ -326,6 +326,53 @@ def test_a_widened_cast_reading_its_input_raises_where_that_changed_after_the_fo
     with pytest.raises(RuntimeError, match="modified by an inplace operation.*remakes a tensor from this one"):
         torch.autograd.grad(y, leaf)
     del z
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """HF's eager attention (Llama's) in a bfloat16 or float16 model: the float32 softmax of the scaled
+    scores plus a mask, cast back, times the values."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+@pytest.mark.parametrize("tokens", [64, 384], ids=["one-block", "blocks"])
+@pytest.mark.parametrize("special", [False, True], ids=["random", "specials"])
+@pytest.mark.parametrize("mask", ["causal", "none", "bias"])
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=str)
+def test_a_float32_softmax_of_scores_is_remade_from_a_copy_of_its_input(narrow, mask, special, tokens):
+    """The float32 softmax of narrower attention scores, which no node keeps (its node keeps its output),
+    is kept as a copy of its input in the input's dtype, half the bytes: the scores made again once when
+    saved (the matmul of q and k, which its node keeps, and the scale), a causal mask (HF's: the dtype's
+    lowest value) guessed from where the output is 0, checked in blocks of rows on the CPU (384 tokens:
+    five blocks, the last one short). Gradients PyTorch's, bit for bit; with ±inf, NaN, ±0 and
+    denormals in q, the rows they reach are checked as any. A mask of other values (a bias that needs
+    no gradient, on the last rows only) misses the check: the softmax is kept as it is."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 4, tokens, 16, generator=g).to(narrow) for _ in range(3))
+    if special:
+        q[0, 0, :4] = adversarial(64, narrow, seed=12).view(4, 16)  # (the first block's rows)
+    lowest = torch.finfo(narrow).min
+    causal = torch.full((tokens, tokens), lowest, dtype=narrow).triu(1)
+    bias = causal.expand(2, 4, tokens, tokens).clone()  # (a bias on the last block's rows only)
+    bias[1, 3, -4:] += torch.randn(4, tokens, generator=g).to(narrow)
+    given = {"causal": causal, "none": None, "bias": bias}[mask]
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+
+    def f(*_: torch.Tensor) -> torch.Tensor:
+        return _eager_attention(q, k, v, given).float().nan_to_num().sum()
+
+    want = _grads(f, leaves)
+    sc = relu_ext.save_compact()
+    got = _grads(f, leaves, sc)
+    _assert_same(got, want)
+    line = next(line for line in sc.report().splitlines() if line.strip().startswith("remade:"))
+    if mask == "bias":
+        assert "_softmax 0 (0 B, 1 missed)" in line, line
+    elif not special:
+        nbytes = 2 * 4 * tokens * tokens * 4
+        assert sc.remade_by_op["_softmax"] == 1 and f"_softmax 1 ({stats._size(nbytes)})" in line, line
 
 
 @pytest.mark.quick(cover=())
@@ -697,7 +744,14 @@ def test_an_embedding_table_renormalized_after_the_lookup_raises_a_clear_error()
 
 # Blocks whose remade tensors are rebuilt on another thread: how many, by op.
 _BLOCKS = {"rms_norm": {"mul": 2}, "gelu": {"gelu": 1, "mul": 1},
-           "gelu_new": {"mul": 3, "tanh": 1, "add": 1}}
+           "gelu_new": {"mul": 3, "tanh": 1, "add": 1}, "attention": {"_softmax": 1, "_to_copy": 3}}
+
+
+def _attention_block(x: torch.Tensor) -> torch.Tensor:
+    """Eager attention in bfloat16 over `x` (as q, k and v: one head of 129 tokens), a causal mask."""
+    h = x.to(torch.bfloat16).unsqueeze(1)
+    causal = torch.full((129, 129), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16).triu(1)
+    return _eager_attention(h, h, h, causal).squeeze(1).float()
 
 
 @pytest.mark.parametrize("block", _BLOCKS)
@@ -713,7 +767,7 @@ def test_backward_on_another_thread_with_another_thread_count(block):
 
     def f(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = {"rms_norm": lambda: _rms_norm(x, weight), "gelu": lambda: torch.nn.functional.gelu(x * weight),
-             "gelu_new": lambda: gelu_new(x * weight)}[block]()
+             "gelu_new": lambda: gelu_new(x * weight), "attention": lambda: _attention_block(x * weight)}[block]()
         return lin(h).sum()
 
     want = _grads(f, [x, weight])
@@ -740,11 +794,11 @@ def _t5() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     return transformers.T5ForConditionalGeneration(config), _tokens(128, 64, labels=True)
 
 
-def _llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def _llama(attention: str = "sdpa") -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
+        num_key_value_heads=2, max_position_embeddings=128, attn_implementation=attention)
     return transformers.LlamaForCausalLM(config), _tokens(128, 64, labels=True)
 
 
@@ -774,17 +828,20 @@ def _decoder(name: str) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.T
     return make
 
 
-MODELS = {"t5_relu": _t5, "llama": _llama, "opt": _decoder("opt"), "gpt2": _decoder("gpt2"), "bert": _decoder("bert")}
+MODELS = {"t5_relu": _t5, "llama": _llama, "llama@eager": lambda: _llama("eager"), "opt": _decoder("opt"),
+          "gpt2": _decoder("gpt2"), "bert": _decoder("bert")}
 
 
 @pytest.mark.quick(cover=())  # a real model takes seconds: the quick tier runs one
 @pytest.mark.parametrize("mode", ["float32", "autocast", "bfloat16"])
 @pytest.mark.parametrize("name", MODELS)
 def test_transformers_train_bit_for_bit_with_remade_ops(name, mode):
-    """A training step of transformers' T5 (ReLU), Llama (RMSNorm, SwiGLU), OPT, GPT-2 and BERT, from
-    configs with random weights, under install() + save_compact(), in float32, under bfloat16 autocast
-    and held in bfloat16: the loss and every gradient PyTorch's, with ops remade. Held in bfloat16,
-    T5's RMSNorms cast the residual stream that their mul keeps: those casts hold no copy (Widened)."""
+    """A training step of transformers' T5 (ReLU), Llama (RMSNorm, SwiGLU; SDPA and eager attention),
+    OPT, GPT-2 and BERT, from configs with random weights, under install() + save_compact(), in float32,
+    under bfloat16 autocast and held in bfloat16: the loss and every gradient PyTorch's, with ops
+    remade. Held in bfloat16, T5's RMSNorms cast the residual stream that their mul keeps: those casts
+    hold no copy (Widened); Llama's eager attention keeps float32 softmax outputs of bfloat16 scores:
+    remade from a copy of their input (recipes._softmax_widened)."""
     import contextlib
 
     torch.manual_seed(0)
@@ -805,6 +862,8 @@ def test_transformers_train_bit_for_bit_with_remade_ops(name, mode):
     # RMSNorm's cast is not the chain through it.)
     if name in ("opt", "bert") or (name == "llama" and mode != "bfloat16"):
         assert sc.remade_by_op.get("embedding" if name == "llama" else "add") == 1, sc.report()
+    if name == "llama@eager" and mode == "bfloat16":
+        assert sc.remade_by_op.get("_softmax") == 2, sc.report()  # (one a layer)
     if name == "t5_relu" and mode == "bfloat16":  # (the copies of its RMSNorms' casts, 16 KiB each, given way)
         assert "held in 64.00 KiB" in next(line for line in sc.report().splitlines() if "remade:" in line)
     assert_same_step(got, want)

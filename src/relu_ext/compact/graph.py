@@ -71,6 +71,14 @@ _REMAKE: dict[str, _Remake] = {
     "PowBackward0": _Remake(_aten.pow.Tensor_Scalar, ("self",), ("exponent",), by_split=True),
     "MeanBackward1": _Remake(_aten.mean.dim, (None,), ("dim", "keepdim"), output=("dtype",), by_split=True),
 }
+# Ops of a chain that is run only when a tensor is saved, to find a copy the form then holds (never in
+# backward): attention scores' matmul (recipes._softmax_widened), which, remade in backward, would cost
+# more per byte it saves than selective checkpointing pays.
+_FIND: dict[str, _Remake] = {"BmmBackward0": _Remake(_aten.bmm.default, ("self", "mat2"))}
+# A softmax's node: a float32 softmax of narrower scores (HF's eager attention) is remade from a copy
+# of its input in the input's dtype (recipes._softmax_widened).
+_SOFTMAX = "SoftmaxBackward0"
+
 # Nodes of _REMAKE that make views: run inside a chain (the bfloat16 cast of a view of a LayerNorm
 # output), never a form of their own (a saved view is its base's form, or as it is: hooks._pack_view).
 REMAKE_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "TransposeBackward0",
@@ -204,11 +212,11 @@ def _layer_norm_saved(fn: Any) -> tuple[tuple[int, ...], _Saved, _Saved, _Saved,
 
 
 def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool] | None:
-    """For a node of _REMAKE: its op (with the node's other arguments bound), what it saved of the op's
+    """For a node of _REMAKE (or _FIND): its op (with the node's other arguments bound), what it saved of the op's
     tensor inputs, in the op's order, not unpacked (an input it did not save has no data), and the
     op's `by_split`; None where the output's dtype is not recorded (``_input_metadata``: the forward's
     outputs, whose gradients the node takes). Checked on torch 2.11 and 2.15.0."""
-    entry = _REMAKE[fn.name()]
+    entry = _REMAKE.get(fn.name()) or _FIND[fn.name()]
     kwargs = {name: _signed(getattr(fn, f"_saved_{name}")) for name in entry.args}
     if entry.output:
         outputs = getattr(fn, "_input_metadata", None)
@@ -218,6 +226,31 @@ def _remake_of(fn: Any) -> tuple[Any, list[_Saved], bool] | None:
     op = functools.partial(entry.op, **kwargs) if kwargs else entry.op
     saved = [_raw_saved(fn, name) if name is not None else _Saved(None, None) for name in entry.inputs]
     return op, saved, entry.by_split
+
+
+def _cast_input(fn: Any) -> Any | None:
+    """The cast's node (_CAST) that made node `fn`'s first input, else None. Checked on torch 2.11 and 2.15.0."""
+    node, _ = fn.next_functions[0]
+    return node if node is not None and node.name() == _CAST else None
+
+
+def _softmax_scores(fn: Any) -> tuple[int, Any, Any, bool] | None:
+    """For softmax node `fn` whose input is a widening cast of scores, or of scores plus a tensor that
+    needs no gradient (an add with alpha 1: ``softmax(scores + mask, dim, dtype=torch.float32)``): the
+    softmax's dim, the cast's node, the scores' node, and whether a mask was added; else None.
+    Checked on torch 2.11 and 2.15.0."""
+    cast = _cast_input(fn)
+    if cast is None:
+        return None
+    node, output_nr = cast.next_functions[0]
+    if node is None or output_nr != 0:
+        return None
+    if node.name() != "AddBackward0":
+        return _signed(fn._saved_dim), cast, node, False
+    known = [(prev, nr) for prev, nr in node.next_functions if prev is not None]
+    if node._saved_alpha != 1 or len(node.next_functions) != 2 or len(known) != 1 or known[0][1] != 0:
+        return None
+    return _signed(fn._saved_dim), cast, known[0][0], True
 
 
 def _node_key(fn: Any) -> tuple[Any, ...] | None:

@@ -22,12 +22,13 @@ from .. import _C
 from .bits import _bool_bits, _same_bits_later
 from .deferred import Deferred
 from .forms import (EPS_BY_WEIGHT, LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade,
-                    RemadeNorm, Replayed, TwoValued, Widened, _Dense, _eps_probes, _gathered, _Shared, run_as_forward)
-from .graph import (_CAST, _CAT, _LAYER_NORM, _MAX_POOL, _REMAKE, ACTIVATION_NODES, REMAKE_VIEWS, _activation_of,
-                    _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cast_from, _cat_dim, _inputs,
-                    _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros, _node_inputs, _node_key,
-                    _note_eps, _noted_eps, _raw_saved, _relu_ext_mask, _remake_of, _Saved, _zeros_by_a_factor,
-                    PRODUCTS)
+                    RemadeNorm, Replayed, TwoValued, Widened, _Dense, _eps_probes, _gathered, _Shared, _ViewOf,
+                    run_as_forward)
+from .graph import (_CAST, _CAT, _FIND, _LAYER_NORM, _MAX_POOL, _REMAKE, _SOFTMAX, ACTIVATION_NODES, REMAKE_VIEWS,
+                    _activation_of, _after_batchnorm, _batchnorm_inputs, _bn_bias, _bn_eps, _bn_training, _cast_from,
+                    _cast_input, _cat_dim, _inputs, _is_batchnorm, _kept, _layer_norm_saved, _leaf, _mostly_zeros,
+                    _node_inputs, _node_key, _note_eps, _noted_eps, _raw_saved, _relu_ext_mask, _remake_of, _Saved,
+                    _softmax_scores, _zeros_by_a_factor, PRODUCTS)
 
 _ops = torch.ops.relu_ext
 _MIN_NUMEL = 4096  # below this the hooks' own cost outweighs what they save
@@ -103,6 +104,19 @@ def _source(saved: _Saved, unpack: Any) -> Tensor | _Shared | None:
     return None
 
 
+def _view_now(view: _ViewOf) -> Tensor | None:
+    """The saved view `view` of a tensor this context keeps in a form, as it is now (its form's tensor
+    as it is, or its value while packing: _Shared.live); None where that changed or has other strides."""
+    inner = view.inner
+    if isinstance(inner, _Dense):
+        base = inner.tensor if inner.unchanged() else None
+    else:
+        base = inner.live() if isinstance(inner, _Shared) and inner.fresh() else None
+    if base is None or base.stride() != view.base_stride:
+        return None
+    return base.as_strided(view.size, view.stride, base.storage_offset())
+
+
 def _pooled(t: Tensor, packer: Packing) -> Made | None:
     """`t` (a max_pool2d output, N x C x h x w) as a recipe: the pool's input at its indices."""
     if t.dim() != 4:
@@ -119,6 +133,9 @@ def _pooled(t: Tensor, packer: Packing) -> Made | None:
     return Made(Pooled(x, indices, t), _same_bits_later([(now, t)]))
 
 
+# Elements of a softmax remade from a copy checked at a time when saved (_softmax_widened).
+_CHECK_BLOCK = 1 << 18
+
 # The most ops a remade chain runs (each a pass over a tensor in backward).
 _MAX_OPS = 8
 
@@ -127,8 +144,9 @@ class _Chaining:
     """The inputs of a remade tensor (see _remade), found by walking the graph from its node: the
     sources the chain reads (each once), and whether any op's bits depend on the split of its work."""
 
-    def __init__(self, packer: Packing) -> None:
+    def __init__(self, packer: Packing, find: bool = False) -> None:
         self.packer = packer
+        self.find = find  # (whether the ops of graph._FIND may run too: a chain run only when saved)
         self.sources: list[Tensor | _Shared] = []
         self.by_split = False
         self.ops_left = _MAX_OPS
@@ -153,12 +171,14 @@ class _Chaining:
         inputs: list[int | Chain] = []
         for s, (prev, output_nr) in zip(saved, _node_inputs(fn, len(saved))):
             source = _source(s, self.packer.unpack)
+            if source is None and self.find and s.unpack_hook is self.packer.unpack and isinstance(s.data, _ViewOf):
+                source = _view_now(s.data)  # (a matmul's k.T: read now, as the chain runs only now)
             if source is None and prev is not None:
                 source = _kept_source(prev, output_nr)
                 source = _leaf(prev) if source is None else source
             if source is not None:
                 inputs.append(self.index(source))
-            elif prev is not None and output_nr == 0 and prev.name() in _REMAKE:
+            elif prev is not None and output_nr == 0 and (prev.name() in _REMAKE or self.find and prev.name() in _FIND):
                 sub = self.chain(prev, top=False)
                 if sub is None:
                     return None
@@ -263,6 +283,50 @@ def _widened(t: Tensor, packer: Packing) -> Made | None:
     packer.recent.remember(form, now, None)
     packer.widened.append(weakref.ref(form))  # (decided again when the context exits: Widened)
     return Made(form, _same_bits_later([(now, t.detach())]))
+
+
+def _softmax_widened(t: Tensor, packer: Packing) -> Made | None:
+    """`t`, a float32 softmax of narrower attention scores, plus a mask or not (HF's eager attention in a
+    bfloat16 model: ``softmax(q @ k.T * scale + mask, dim=-1, dtype=torch.float32)``, kept by its node),
+    whose input no node keeps, as that softmax of a copy of its input in the input's dtype, which the
+    form holds (``own``: half the bytes). The scores are found by running again, once, the ops that
+    made them from what their nodes keep (the matmul, graph._FIND, and the scale); a mask, which no
+    node keeps, is guessed from `t`: -inf where `t` is 0, nothing where it is not. Exact where the
+    softmax of the copy gives `t` bit for bit (the check when saved; a mask of other values misses)."""
+    read = _softmax_scores(t.grad_fn)
+    if read is None:
+        return None
+    dim, cast, scores_node, masked = read
+    if dim not in (-1, t.dim() - 1):
+        return None  # (over the last dim each row is one thread's, in one loop: its bits do not depend on the split)
+    found = _Chaining(packer, find=True)
+    chain = found.chain(scores_node, top=False)
+    if chain is None:
+        return None
+    live = found.live()
+    copy = run_as_forward(chain, live)
+    if copy.shape != t.shape or copy.dtype != _cast_from(cast) or not (copy.is_contiguous() and t.is_contiguous()):
+        return None
+    if any(copy.untyped_storage().data_ptr() == s.untyped_storage().data_ptr() for s in live):
+        copy = copy.clone()  # (the chain ended in a view of what it reads, a tensor a node keeps: filled below)
+    softmax = Chain(functools.partial(torch.ops.aten._softmax.default, dim=dim, half_to_float=False),
+                    (Chain(functools.partial(_REMAKE[_CAST].op, dtype=t.dtype), (0,)),))
+    # On the CPU, filled and checked a block of rows at a time: the whole tensor's cast and softmax, made
+    # while the forward holds its own, raised a step's peak by up to twice the softmax's bytes. Each row
+    # is its own there (one thread's, one loop), so a block's bits are the whole's; the rebuild, of the
+    # whole, is also checked against the forward's fingerprint (by_split), which a change would raise.
+    # CUDA's kernel may pick its variant by a block's alignment: checked whole there.
+    rows, out = copy.view(-1, copy.shape[-1]), t.detach().view(-1, t.shape[-1])
+    blocks = t.device.type == "cpu"
+    step = max(1, _CHECK_BLOCK // rows.shape[1]) if blocks else rows.shape[0]
+    flags = []
+    for i in range(0, rows.shape[0], step):
+        block, expected = rows[i:i + step], out[i:i + step]
+        if masked:
+            block.masked_fill_(expected == 0, float("-inf"))
+        flags.append(_same_bits_later([(run_as_forward(softmax, [block]), expected)]))
+    flag = flags[0] if len(flags) == 1 else torch.stack(flags).all()
+    return Made(Remade(t, softmax, [copy], by_split=blocks, own=(copy,)), flag)
 
 
 # A twin's op: its twin's value as it is (a view of it).
@@ -556,9 +620,22 @@ def _zeros_of_a_factor(t: Tensor, recompute: bool) -> bool:
 def _a_widening(t: Tensor, recompute: bool) -> bool:
     """applies() of a cast remade from a narrower copy (_widened): with recompute, a cast's output worth
     keeping smaller whose input has a floating-point type of fewer bytes."""
+    return recompute and _worth_keeping_smaller(t) and _widens(t.grad_fn, t)
+
+
+def _a_widening_softmax(t: Tensor, recompute: bool) -> bool:
+    """applies() of a softmax remade from a narrower copy of its input (_softmax_widened): with
+    recompute, a softmax output worth keeping smaller whose input is a cast from a floating-point type of
+    fewer bytes."""
     if not (recompute and _worth_keeping_smaller(t)):
         return False
-    source = _cast_from(t.grad_fn)
+    cast = _cast_input(t.grad_fn)
+    return cast is not None and _widens(cast, t)
+
+
+def _widens(cast: Any, t: Tensor) -> bool:
+    """Whether cast node `cast` made its output (of `t`'s dtype) from a floating-point type of fewer bytes."""
+    source = _cast_from(cast)
     return source is not None and source.is_floating_point and source.itemsize < t.element_size()
 
 
@@ -584,6 +661,7 @@ FORMS = (
     Row(Pooled, frozenset({_MAX_POOL}), _a_recipe_output, _pooled),
     Row(Remade, frozenset(_REMAKE) - REMAKE_VIEWS, _a_recipe_output, _remade),
     Row(Widened, frozenset({_CAST}), _a_widening, _widened),
+    Row(Remade, frozenset({_SOFTMAX}), _a_widening_softmax, _softmax_widened),
     Row(RemadeNorm, frozenset({_LAYER_NORM}), _a_recipe_output, _layer_norm),
     Row(Replayed, ACTIVATION_NODES, _after_a_batchnorm, _replayed),
     Row(Compacted, ACTIVATION_NODES, _zeros_mostly, _compacted),
