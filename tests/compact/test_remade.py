@@ -286,16 +286,17 @@ def _cast_then_kept(leaf: torch.Tensor, w: torch.Tensor, change: bool = False) -
     return y, (h * w).float().sum()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("change", [False, True], ids=["same", "changed"])
 @pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=str)
-def test_a_widening_casts_copy_gives_way_to_its_input_kept_by_a_later_node(narrow, change):
+def test_a_widening_casts_copy_gives_way_to_its_input_kept_by_a_later_node(narrow, change, device):
     """The widening cast's copy (Widened) and the cast's input, which a node saved later keeps as it is,
     hold the same bits: at the exit the form reads that input and holds nothing. Where the input
     changed in place between the cast and that node (so the two differ), the copy stays. Gradients
     PyTorch's, bit for bit, on adversarial data (no NaN: those miss the cast's own check, above)."""
-    x = adversarial(65536, narrow, seed=8)
+    x = adversarial(65536, narrow, seed=8).to(device)
     leaf = torch.where(x.isnan(), torch.zeros_like(x), x).requires_grad_()
-    w = torch.randn(65536, dtype=narrow, requires_grad=True)
+    w = torch.randn(65536, dtype=narrow).to(device).requires_grad_()
 
     def f(*_: torch.Tensor) -> torch.Tensor:
         y, z = _cast_then_kept(leaf, w, change)
@@ -337,18 +338,19 @@ def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [64, 384], ids=["one-block", "blocks"])
 @pytest.mark.parametrize("special", [False, True], ids=["random", "specials"])
 @pytest.mark.parametrize("mask", ["causal", "none", "bias"])
 @pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=str)
-def test_a_float32_softmax_of_scores_is_remade_from_a_copy_of_its_input(narrow, mask, special, tokens):
+def test_a_float32_softmax_of_scores_is_remade_from_a_copy_of_its_input(narrow, mask, special, tokens, device):
     """The float32 softmax of narrower attention scores, which no node keeps (its node keeps its output),
     is kept as a copy of its input in the input's dtype, half the bytes: the scores made again once when
     saved (the matmul of q and k, which its node keeps, and the scale), a causal mask (HF's: the dtype's
     lowest value) guessed from where the output is 0, checked in blocks of rows on the CPU (384 tokens:
-    five blocks, the last one short). Gradients PyTorch's, bit for bit; with ±inf, NaN, ±0 and
-    denormals in q, the rows they reach are checked as any. A mask of other values (a bias that needs
-    no gradient, on the last rows only) misses the check: the softmax is kept as it is."""
+    five blocks, the last one short; on CUDA the whole). Gradients PyTorch's, bit for bit; with ±inf,
+    NaN, ±0 and denormals in q, the rows they reach are checked as any. A mask of other values (a bias
+    that needs no gradient, on the last rows only) misses the check: the softmax is kept as it is."""
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 4, tokens, 16, generator=g).to(narrow) for _ in range(3))
     if special:
@@ -358,7 +360,9 @@ def test_a_float32_softmax_of_scores_is_remade_from_a_copy_of_its_input(narrow, 
     bias = causal.expand(2, 4, tokens, tokens).clone()  # (a bias on the last block's rows only)
     bias[1, 3, -4:] += torch.randn(4, tokens, generator=g).to(narrow)
     given = {"causal": causal, "none": None, "bias": bias}[mask]
-    leaves = [x.requires_grad_() for x in (q, k, v)]
+    given = None if given is None else given.to(device)
+    leaves = [x.to(device).requires_grad_() for x in (q, k, v)]
+    q, k, v = leaves
 
     def f(*_: torch.Tensor) -> torch.Tensor:
         return _eager_attention(q, k, v, given).float().nan_to_num().sum()
