@@ -34,6 +34,11 @@ def _same_bits_on_device(pairs: list[tuple[Tensor, Tensor]]) -> Tensor:
     return ~torch.stack(differ).any()
 
 
+def _like(x: Tensor | None, t: Tensor) -> bool:
+    """Whether `x` is a tensor of `t`'s dtype, shape and strides (a recipe's source for `t`)."""
+    return x is not None and x.dtype == t.dtype and x.shape == t.shape and x.stride() == t.stride()
+
+
 def _memory_order(t: Tensor) -> Tensor:
     """Dense `t`'s elements as a 1-D view in the order they lie in memory."""
     return t.as_strided((t.numel(),), (1,), t.storage_offset())

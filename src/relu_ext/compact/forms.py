@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from .bits import _INTS, _bools_of, _same_bits_later
+from .bits import _INTS, _bools_of, _like, _same_bits_later
 from .deferred import Deferred
 from .graph import _inputs, _kept
 from .streams import STREAMS
@@ -693,7 +693,7 @@ class Widened(Remade):
         if not isinstance(kept, _Dense) or not kept.unchanged():
             return
         x, copy = kept.tensor, self.own[0]
-        if x.dtype == copy.dtype and x.shape == copy.shape and x.stride() == copy.stride() and x.device == copy.device:
+        if _like(x, copy) and x.device == copy.device:
             with STREAMS.on(self.stream):
                 self.same, self.kept = Deferred(_same_bits_later([(copy, x)])), kept
 
@@ -815,7 +815,7 @@ class RemadeNorm(Remade):
             return self.missed_as
         self.norm.eps = self.untried.pop(0)
         now, t = self._make(live=True), self.whole.tensor
-        if now.dtype != t.dtype or now.shape != t.shape or now.stride() != t.stride():
+        if not _like(now, t):
             return self.missed_as
         return Deferred(_same_bits_later([(now, t)]))
 
@@ -906,6 +906,16 @@ class _ViewOf:
         base = self.inner.restore()
         if base.stride() != self.base_stride:  # (restored in its own layout, always: the view's strides need it)
             base = torch.empty_strided(self.base_size, self.base_stride, dtype=base.dtype, device=base.device).copy_(base)
+        return self._of(base)
+
+    def live(self) -> Tensor | None:
+        """The view as it is now, while packing (its output's form's _Shared.live), not unpacked; None
+        where that form's tensor changed, or is laid out otherwise."""
+        base = self.inner.live() if self.inner.fresh() else None
+        return None if base is None or base.stride() != self.base_stride else self._of(base)
+
+    def _of(self, base: Tensor) -> Tensor:
+        """The view of `base`, the output in its own layout."""
         return base.as_strided(self.size, self.stride, base.storage_offset())
 
     def held(self) -> tuple[Tensor, ...]:

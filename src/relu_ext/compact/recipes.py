@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from .bits import _bool_bits, _same_bits_later
+from .bits import _bool_bits, _like, _same_bits_later
 from .deferred import Deferred
 from .forms import (EPS_BY_WEIGHT, LAYER_NORM_EPS, Chain, Compacted, Concatenated, LayerNormOf, Pooled, Remade,
                     RemadeNorm, Replayed, TwoValued, Widened, _Dense, _eps_probes, _gathered, _Shared, _ViewOf,
@@ -104,19 +104,6 @@ def _source(saved: _Saved, unpack: Any) -> Tensor | _Shared | None:
     return None
 
 
-def _view_now(view: _ViewOf) -> Tensor | None:
-    """The saved view `view` of a tensor this context keeps in a form, as it is now (its form's tensor
-    as it is, or its value while packing: _Shared.live); None where that changed or has other strides."""
-    inner = view.inner
-    if isinstance(inner, _Dense):
-        base = inner.tensor if inner.unchanged() else None
-    else:
-        base = inner.live() if isinstance(inner, _Shared) and inner.fresh() else None
-    if base is None or base.stride() != view.base_stride:
-        return None
-    return base.as_strided(view.size, view.stride, base.storage_offset())
-
-
 def _pooled(t: Tensor, packer: Packing) -> Made | None:
     """`t` (a max_pool2d output, N x C x h x w) as a recipe: the pool's input at its indices."""
     if t.dim() != 4:
@@ -172,7 +159,7 @@ class _Chaining:
         for s, (prev, output_nr) in zip(saved, _node_inputs(fn, len(saved))):
             source = _source(s, self.packer.unpack)
             if source is None and self.find and s.unpack_hook is self.packer.unpack and isinstance(s.data, _ViewOf):
-                source = _view_now(s.data)  # (a matmul's k.T: read now, as the chain runs only now)
+                source = s.data.live()  # (a matmul's k.T: read now, as the chain runs only now)
             if source is None and prev is not None:
                 source = _kept_source(prev, output_nr)
                 source = _leaf(prev) if source is None else source
@@ -459,11 +446,6 @@ def _peek(saved: _Saved, unpack: Any) -> Tensor | None:
     if hook is unpack and isinstance(data, _Dense) and data.tensor._version == data.version:
         return data.tensor
     return None
-
-
-def _like(x: Tensor | None, t: Tensor) -> bool:
-    """Whether `x` is a tensor of `t`'s dtype, shape and strides (a recipe's source for `t`)."""
-    return x is not None and x.dtype == t.dtype and x.shape == t.shape and x.stride() == t.stride()
 
 
 def _bn_source(bn: Any, t: Tensor, unpack: Any) -> tuple[Tensor | _Shared, Tensor, Tensor, Tensor] | None:
